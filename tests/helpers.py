@@ -1,0 +1,36 @@
+"""Shared builders for tests: tiny models and synthetic packed batches (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from thinpipe.config import Config, apply_overrides
+from thinpipe.models.presets import tiny_config
+
+
+def tiny_model(family: str = "llama", seed: int = 0):
+    config = tiny_config(family)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def tiny_batch(batch_size: int = 3, seq_len: int = 16, seed: int = 0, vocab: int = 512) -> dict:
+    """Packed rows with 2 documents + padding, prompt tokens unlabelled."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, seq_len), generator=g)
+    seg = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    seg[:, seq_len // 2:] = 1
+    seg[:, -2:] = -1
+    labels = ids.clone()
+    labels[:, :3] = -100
+    labels[:, seq_len // 2:seq_len // 2 + 2] = -100
+    labels[seg < 0] = -100
+    return {"input_ids": ids, "labels": labels, "segment_ids": seg}
+
+
+def config(**sets) -> Config:
+    cfg = Config()
+    apply_overrides(cfg, {k.replace("__", "."): v for k, v in sets.items()})
+    return cfg.validate()

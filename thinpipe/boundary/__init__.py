@@ -1,0 +1,24 @@
+"""PP boundary compressors behind one protocol (see ``base.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.mask import MaskBoundary, kept_dims
+
+__all__ = ["Boundary", "MaskBoundary", "Payload", "build_boundaries", "kept_dims"]
+
+
+def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None) -> list[Boundary]:
+    """One boundary per stage pair; ``cfg.masked`` selects which get the configured kind."""
+    out: list[Boundary] = []
+    for b in range(num_stages - 1):
+        compressed = not cfg.masked or b in cfg.masked
+        if cfg.kind == "identity" or not compressed:
+            out.append(Boundary(b, hidden_size, wire_dtype))
+        elif cfg.kind == "mask":
+            out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype))
+        else:
+            raise ValueError(f"unknown boundary kind {cfg.kind!r}")
+    return out

@@ -1,0 +1,73 @@
+"""In-process transport for the single-process mesh simulation.
+
+``Mailbox`` carries PP payloads between stages; ``InProcessGroup`` is a collective over virtual
+ranks: each member posts its tensor and gets a ``Work``; when the last member has posted, the
+reduction runs in rank order (so it is deterministic) and every member's tensor holds the result.
+A member that waits before all have posted is a schedule bug and raises, instead of deadlocking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+from thinpipe.boundary.base import Payload
+from thinpipe.comm.meter import ByteMeter
+
+
+class Work:
+    def __init__(self) -> None:
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done
+
+    def wait(self) -> None:
+        if not self._done:
+            raise RuntimeError("in-process collective waited on before every member posted (schedule bug)")
+
+
+class InProcessGroup:
+    def __init__(self, size: int, meter: ByteMeter, axis: str):
+        self.size, self.meter, self.axis = size, meter, axis
+        self._pending: dict[int, tuple[torch.Tensor, Work]] = {}
+
+    def all_reduce(self, rank: int, tensor: torch.Tensor) -> Work:
+        """Sum over members, in place. Metered as a ring all-reduce: 2 (n-1)/n of the tensor per member."""
+        if rank in self._pending:
+            raise RuntimeError(f"rank {rank} posted twice to the same collective")
+        work = Work()
+        self._pending[rank] = (tensor, work)
+        n = self.size
+        self.meter.add(self.axis, 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
+        if len(self._pending) == n:
+            members = [self._pending[r] for r in range(n)]
+            total = members[0][0].clone()
+            for t, _ in members[1:]:
+                total += t
+            for t, w in members:
+                t.copy_(total)
+                w._done = True
+            self._pending.clear()
+        return work
+
+
+class Mailbox:
+    """Point-to-point payload delivery between stages, metered on the given axis."""
+
+    def __init__(self, meter: ByteMeter):
+        self.meter = meter
+        self._box: dict[Hashable, Payload] = {}
+
+    def send(self, tag: Hashable, payload: Payload, axis: str) -> None:
+        if tag in self._box:
+            raise RuntimeError(f"payload {tag} sent twice")
+        self.meter.add(axis, payload.nbytes)
+        self._box[tag] = payload
+
+    def recv(self, tag: Hashable) -> Payload:
+        try:
+            return self._box.pop(tag)
+        except KeyError:
+            raise RuntimeError(f"payload {tag} received before it was sent (schedule bug)") from None

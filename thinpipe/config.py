@@ -1,0 +1,296 @@
+"""Typed, validated run configuration.
+
+One dataclass per component, each field documented by the string literal below it. A config is
+built from defaults, then a TOML file, then dotted ``--set key=value`` overrides; every step is
+validated so that a bad input fails with one clear ``ConfigError`` before any heavy work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message says what is wrong and how to fix it."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    name: str = "smollm2-135m"
+    """Model: a preset (``smollm2-135m``, ``tiny-llama``, ``tiny-qwen2``), a folder with a Hugging
+    Face ``config.json`` + safetensors, or a ``.gguf`` file."""
+
+    tied: str = "sync"
+    """Tied input/output embeddings split over stages: ``sync`` sums the two copies' gradients every
+    step (exact; costs V x H values each way on the ``tied`` axis), ``untie`` lets them drift apart."""
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ConfigError("model.name is empty: give a preset (smollm2-135m, tiny-llama, tiny-qwen2) or a path")
+        if self.tied not in ("sync", "untie"):
+            raise ConfigError(f"model.tied must be sync or untie, got {self.tied!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    name: str = "math"
+    """Training corpus from the registry: ``math``, ``medical`` or ``synthetic``."""
+    max_examples: int = 0
+    """Read at most this many training examples (0 = all); for quick runs."""
+    val_rows: int = 16
+    """Packed held-out rows used for validation loss (0 = the whole held-out split)."""
+
+    def validate(self) -> None:
+        if self.max_examples < 0:
+            raise ConfigError(f"data.max_examples must be >= 0 (0 = all), got {self.max_examples}")
+        if self.val_rows < 0:
+            raise ConfigError(f"data.val_rows must be >= 0 (0 = all), got {self.val_rows}")
+
+
+@dataclass(kw_only=True, slots=True)
+class MeshConfig:
+    pp: int = 1
+    """Pipeline stages: the model's layers are split into this many contiguous ranges."""
+    dp: int = 1
+    """Fast-circuit data-parallel replicas; each trains on its own data shard."""
+    split: list[int] = field(default_factory=list)
+    """Explicit decoder layers per stage, e.g. ``[8, 7, 7, 8]`` (empty = balanced)."""
+
+    def validate(self) -> None:
+        if self.pp < 1:
+            raise ConfigError(f"mesh.pp must be >= 1, got {self.pp}")
+        if self.dp < 1:
+            raise ConfigError(f"mesh.dp must be >= 1, got {self.dp}")
+        if self.split:
+            if len(self.split) != self.pp:
+                raise ConfigError(
+                    f"mesh.split has {len(self.split)} entries but mesh.pp = {self.pp}: give one layer count per stage")
+            if any(n < 1 for n in self.split):
+                raise ConfigError(f"mesh.split entries must be >= 1 layer each, got {self.split}")
+
+
+BOUNDARY_KINDS = ("identity", "mask")
+
+
+@dataclass(kw_only=True, slots=True)
+class BoundaryConfig:
+    kind: str = "identity"
+    """PP boundary compressor: ``identity`` (dense) or ``mask`` (PRF random activation masking, §3.1)."""
+    p: float = 0.95
+    """Mask ratio p for ``mask``: each token keeps K = round((1-p) H) of its H hidden dims."""
+    rescale: bool = True
+    """Scale kept values by 1/(1-p) at the receiver so the masked activation is unbiased (App. F)."""
+    masked: list[int] = field(default_factory=list)
+    """Which boundaries (0 = between stage 0 and 1) are compressed; empty = all."""
+    dtype: str = "auto"
+    """Wire dtype of activations and their gradients: ``auto`` (the training dtype), ``float32``, ``bfloat16``."""
+
+    def validate(self) -> None:
+        if self.kind not in BOUNDARY_KINDS:
+            raise ConfigError(f"boundary.kind = {self.kind!r} is unknown: choose one of {', '.join(BOUNDARY_KINDS)}")
+        if not 0.0 <= self.p < 1.0:
+            raise ConfigError(f"boundary.p must be in [0, 1) (the fraction of dims dropped), got {self.p}")
+        if any(b < 0 for b in self.masked):
+            raise ConfigError(f"boundary.masked holds boundary indices >= 0, got {self.masked}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"boundary.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 4
+    """Sequences per step per fast replica (split into ``microbatches``)."""
+    seq_len: int = 256
+    """Tokens per packed sequence."""
+    microbatches: int = 1
+    """Microbatches per step; must divide batch_size."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b`` (same numerics; they differ in memory and bubbles)."""
+    lr: float = 2e-5
+    """Peak learning rate (paper App. I.3: 2e-5)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to this fraction of lr (App. I.3: 0.1)."""
+    warmup_ratio: float = 0.03
+    """Fraction of steps of linear warm-up (App. I.3: 3%)."""
+    grad_clip: float = 0.2
+    """Global gradient-norm clip (App. I.3: 0.2); 0 disables."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1 (App. I.3)."""
+    beta2: float = 0.999
+    """AdamW beta2 (App. I.3)."""
+    seed: int = 0
+    """Seed for initialisation, data order and the masking PRF."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: ``float32`` or ``bfloat16``."""
+    checkpoint_every: int = 0
+    """Write a resumable checkpoint every N steps (0 = only at the end)."""
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"train.microbatches = {self.microbatches} does not divide train.batch_size = {self.batch_size}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"train.schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0
+    """Validation loss every N steps (0 = only at the start and the end)."""
+    tasks: list[str] = field(default_factory=list)
+    """Multiple-choice tasks run after training (e.g. ``["arc_easy"]``); empty = none."""
+    limit: int = 100
+    """Items per multiple-choice task."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
+        if self.limit < 1:
+            raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.boundary.masked and max(self.boundary.masked) >= self.mesh.pp - 1:
+            raise ConfigError(
+                f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
+                f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a TOML value or a ``--set`` string to the field's declared type."""
+    typ = str(typ)
+    if isinstance(value, str) and typ != "str":
+        text = value.strip()
+        if typ == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{key} expects true or false, got {value!r}")
+        if typ.startswith("list"):
+            text = text.strip("[]")
+            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+        else:
+            value = text
+    try:
+        if typ == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ == "bool":
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if typ == "str":
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if typ == "list[int]":
+            return [int(v) for v in value]
+        if typ == "list[str]":
+            return [str(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} expects a value of type {typ}, got {value!r}") from None
+    raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(options)})"
+
+
+def apply_overrides(cfg: Config, values: dict[str, Any], source: str = "--set") -> Config:
+    """Apply ``{"section.key": value}`` (flat, dotted) overrides in place, type-checked."""
+    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    for dotted, value in values.items():
+        if "." not in dotted:
+            raise ConfigError(f"{source}: key {dotted!r} must be dotted as section.key, e.g. train.steps")
+        section, key = dotted.split(".", 1)
+        if section not in sections:
+            raise ConfigError(f"{source}: unknown section {section!r}{_suggest(section, list(sections))}")
+        obj = getattr(cfg, section)
+        fields = {f.name: f for f in dataclasses.fields(obj)}
+        if key not in fields:
+            raise ConfigError(f"{source}: unknown key {dotted!r}{_suggest(key, [f'{k}' for k in fields])}")
+        setattr(obj, key, _coerce(value, fields[key].type, dotted))
+    return cfg
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``key=value`` strings; validated."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found: check the path given to --config")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        apply_overrides(cfg, _flatten(data), source=str(path))
+    overrides: dict[str, Any] = {}
+    for item in sets or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set train.steps=10")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v
+    apply_overrides(cfg, overrides)
+    return cfg.validate()

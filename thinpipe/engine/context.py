@@ -1,0 +1,57 @@
+"""Per-microbatch context every stage derives locally from the (deterministic, shared) data batch.
+
+Each stage's worker reads the same batch, so ids, labels, positions and the attention mask never
+cross a boundary; only activations and their gradients do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class MicrobatchContext:
+    step: int
+    microbatch: int
+    replica: int
+    input_ids: torch.Tensor      # (B, T) int64
+    labels: torch.Tensor         # (B, T) int64, -100 = no loss
+    position_ids: torch.Tensor   # (B, T) position within the packed document
+    attn_mask: torch.Tensor      # (B, 1, T, T) bool, True = may attend
+    loss_scale: float            # 1 / loss tokens in the whole step (so microbatch losses sum to the mean)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block-diagonal causal attention over packed documents, and positions restarting per document.
+
+    Padding (segment -1) attends causally among itself so no row of the mask is empty (an empty row
+    gives NaN in SDPA); its labels are -100, so it never reaches the loss."""
+    b, t = segment_ids.shape
+    idx = torch.arange(t, device=segment_ids.device)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    start_pos = torch.where(starts, idx.expand(b, t), torch.zeros_like(segment_ids))
+    start_pos = torch.cummax(start_pos, dim=1).values
+    position_ids = idx.expand(b, t) - start_pos
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
+    return position_ids, (same & causal).unsqueeze(1)
+
+
+def make_contexts(batch: dict, microbatches: int, step: int, replica: int) -> list[MicrobatchContext]:
+    """Split a replica's batch into microbatch contexts sharing one loss normaliser."""
+    n_loss = int((batch["labels"][:, 1:] != -100).sum())
+    scale = 1.0 / max(n_loss, 1)
+    out = []
+    for m, (ids, labels, seg) in enumerate(zip(batch["input_ids"].chunk(microbatches),
+                                               batch["labels"].chunk(microbatches),
+                                               batch["segment_ids"].chunk(microbatches))):
+        pos, mask = positions_and_mask(seg)
+        out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, scale))
+    return out

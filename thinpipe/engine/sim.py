@@ -1,0 +1,136 @@
+"""Single-process simulation of the mesh: ``dp`` fast replicas x ``pp`` stages, exactly.
+
+Every replica holds its own copy of every stage and its own optimizers, as real workers would; the
+PP transport is an in-process mailbox and the DP group an in-process collective, both metered. The
+step is: run every replica's pipeline schedule -> DP sync per stage -> tied-embedding sync ->
+global-norm clip -> optimizer step. The DP slot (``self.dp[stage]``) takes any object with
+``start(rank, params)`` / ``finish(handle)``; the anchor circuit will plug in after the DP sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.boundary import build_boundaries
+from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox
+from thinpipe.config import Config
+from thinpipe.dp import AllReduceDP
+from thinpipe.engine.context import make_contexts
+from thinpipe.engine.schedule import SCHEDULES, serial_order
+from thinpipe.engine.worker import StageWorker
+from thinpipe.models.stages import Stage, build_stages, tied_pair
+from thinpipe.optim import clip_coefficient, cosine_with_warmup, tensor_norms
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class SimMesh:
+    def __init__(self, model, cfg: Config):
+        self.cfg = cfg
+        t, m = cfg.train, cfg.mesh
+        self.compute_dtype = DTYPES[t.dtype]
+        wire = None if cfg.boundary.dtype == "auto" and t.dtype == "float32" else \
+            DTYPES[t.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype]
+        self.meter = ByteMeter()
+        self.mailbox = Mailbox(self.meter)
+        hidden = model.config.hidden_size
+        # One boundary object per link, shared by its two ends: in simulation both ends are this
+        # process; a boundary has no trainable state here (stateful kinds keep one copy per side).
+        self.boundaries = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire)
+        self.replicas: list[list[Stage]] = [build_stages(model, m.split or None, m.pp) for _ in range(m.dp)]
+        self.workers = [[StageWorker(st, r, self.boundaries[s - 1] if s else None,
+                                     self.boundaries[s] if s < m.pp - 1 else None, self.mailbox, self.compute_dtype)
+                         for s, st in enumerate(stages)] for r, stages in enumerate(self.replicas)]
+        self.dp = [AllReduceDP(InProcessGroup(m.dp, self.meter, "dp")) for _ in range(m.pp)]
+        self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
+        self.optimizers = [[torch.optim.AdamW(st.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                              weight_decay=t.weight_decay) for st in stages]
+                           for stages in self.replicas]
+        self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
+        self.step_index = 0
+        self.last_grad_norm = 0.0
+
+    # ------------------------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        t = self.cfg.train
+        return t.lr * cosine_with_warmup(step, t.steps, t.warmup_ratio, t.min_lr_ratio)
+
+    def forward_backward(self, batches: list[dict]) -> float:
+        """Run every replica's pipeline on its batch; leaves gradients in the stages. Returns the
+        mean over replicas of the (token-mean) training loss."""
+        losses = []
+        for r, batch in enumerate(batches):
+            ctxs = make_contexts(batch, self.cfg.train.microbatches, self.step_index, r)
+            workers = self.workers[r]
+            last = workers[-1]
+            last.losses.clear()
+            for s, (kind, mb) in self.schedule:
+                (workers[s].forward if kind == "F" else workers[s].backward)(ctxs[mb])
+            losses.append(sum(last.losses))
+        return sum(losses) / len(losses)
+
+    def sync_and_step(self) -> None:
+        m = self.cfg.mesh
+        for s in range(m.pp):          # DP: post for every replica, then finish (one group per stage)
+            handles = [self.dp[s].start(r, list(self.replicas[r][s].parameters())) for r in range(m.dp)]
+            for h in handles:
+                self.dp[s].finish(h)
+        for r in range(m.dp):
+            pair = self.tied[r]
+            if pair is not None:       # the two ends exchange their gradients and both apply the sum
+                a, b = pair
+                total = a.grad + b.grad
+                a.grad.copy_(total)
+                b.grad.copy_(total)
+                if r == 0:
+                    self.meter.add("tied", 2 * a.grad.numel() * a.grad.element_size())
+            stages = self.replicas[r]
+            norms = torch.cat([tensor_norms(st.parameters()) for st in stages])
+            total_norm, coef = clip_coefficient(norms, self.cfg.train.grad_clip)
+            lr = self.lr_at(self.step_index)
+            for st, opt in zip(stages, self.optimizers[r]):
+                if coef < 1.0:
+                    for p in st.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if r == 0:
+                self.last_grad_norm = total_norm
+        self.step_index += 1
+
+    def train_step(self, batches: list[dict]) -> float:
+        loss = self.forward_backward(batches)
+        self.sync_and_step()
+        return loss
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_loss(self, batch: dict, replica: int = 0) -> tuple[float, int]:
+        """Unmasked, dense held-out loss of one replica: (sum of token losses, token count)."""
+        ctx = make_contexts(batch, 1, self.step_index, replica)[0]
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        ctx.loss_scale = 1.0
+        x = ctx.input_ids
+        for st in self.replicas[replica]:
+            with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+                x = st(x, ctx)
+        return float(x), n
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_index,
+                "stages": [[st.state_dict() for st in stages] for stages in self.replicas],
+                "optimizers": [[o.state_dict() for o in opts] for opts in self.optimizers],
+                "bytes": self.meter.snapshot()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_index = state["step"]
+        for stages, sds in zip(self.replicas, state["stages"]):
+            for st, sd in zip(stages, sds):
+                st.load_state_dict(sd)
+        for opts, sds in zip(self.optimizers, state["optimizers"]):
+            for o, sd in zip(opts, sds):
+                o.load_state_dict(sd)
+        self.meter.totals.update(state["bytes"])

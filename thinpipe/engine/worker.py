@@ -1,0 +1,60 @@
+"""A stage's executor: runs its F/B actions, talking to neighbours only through a transport.
+
+The same worker serves the single-process simulation (in-process mailbox) and, later, real
+processes (torch.distributed send/recv): only ``transport`` differs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from thinpipe.boundary import Boundary
+from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
+from thinpipe.models.stages import Stage
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, replica: int, in_boundary: Boundary | None, out_boundary: Boundary | None,
+                 transport, compute_dtype: torch.dtype = torch.float32):
+        self.stage, self.replica = stage, replica
+        self.in_boundary, self.out_boundary = in_boundary, out_boundary
+        self.transport, self.compute_dtype = transport, compute_dtype
+        self._saved: dict[int, dict] = {}
+        self.losses: list[float] = []
+
+    def _tag(self, direction: str, boundary: Boundary, mb: int):
+        return (self.replica, direction, boundary.index, mb)
+
+    def _autocast(self):
+        if self.compute_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.compute_dtype)
+
+    def forward(self, ctx) -> None:
+        saved = self._saved.setdefault(ctx.microbatch, {})
+        if self.stage.is_first:
+            x = ctx.input_ids
+        else:
+            payload = self.transport.recv(self._tag("F", self.in_boundary, ctx.microbatch))
+            saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
+        with self._autocast():
+            out = self.stage(x, ctx)
+        if self.stage.is_last:
+            saved["loss"] = out
+            self.losses.append(float(out.detach()))
+        else:
+            saved["z"], payload = sender_forward(self.out_boundary, out, ctx)
+            self.transport.send(self._tag("F", self.out_boundary, ctx.microbatch), payload, "pp_fwd")
+
+    def backward(self, ctx) -> None:
+        saved = self._saved.pop(ctx.microbatch)
+        if self.stage.is_last:
+            saved["loss"].backward()
+        else:
+            payload = self.transport.recv(self._tag("B", self.out_boundary, ctx.microbatch))
+            sender_backward(self.out_boundary, saved["z"], payload, ctx)
+        if not self.stage.is_first:
+            payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)
+            self.transport.send(self._tag("B", self.in_boundary, ctx.microbatch), payload, "pp_bwd")

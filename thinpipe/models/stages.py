@@ -1,0 +1,132 @@
+"""Split a decoder-only causal LM into pipeline stages by contiguous layer ranges.
+
+Stage 0 holds the token embeddings, the last stage the final norm, the LM head and the loss. Each
+stage holds its own rotary module (buffers only), so it computes position embeddings locally from
+position ids instead of receiving them. Works for any Hugging Face decoder whose layout is
+``model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head`` (Llama, Qwen2,
+Mistral, ...). Submodules keep their Hugging Face names, so ``hf_state_dict`` of all stages
+reassembles the original checkpoint.
+
+Tied embeddings: with more than one stage, the first and last stage each hold a copy of the tied
+matrix; the engine sums their gradients every step (``model.tied = "sync"``), which keeps them equal,
+or lets them drift apart (``"untie"``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from thinpipe.config import ConfigError
+
+
+def balanced_split(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage, as equal as possible, the extra layers going to the middle stages
+    (the first stage also embeds and the last computes the vocabulary projection)."""
+    if num_stages > num_layers:
+        raise ConfigError(f"mesh.pp = {num_stages} stages but the model has only {num_layers} decoder layers: "
+                          f"use mesh.pp <= {num_layers}")
+    base, extra = divmod(num_layers, num_stages)
+    counts = [base] * num_stages
+    order = sorted(range(num_stages), key=lambda s: (s in (0, num_stages - 1), s))
+    for s in order[:extra]:
+        counts[s] += 1
+    return counts
+
+
+class Stage(nn.Module):
+    """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?"""
+
+    def __init__(self, index: int, num_stages: int, first_layer: int, layers: list[nn.Module], rotary: nn.Module,
+                 embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None):
+        super().__init__()
+        self.index, self.num_stages, self.first_layer = index, num_stages, first_layer
+        self.layers = nn.ModuleDict({str(first_layer + i): layer for i, layer in enumerate(layers)})
+        self.rotary_emb = rotary
+        self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
+        self.tied_embeddings = False
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """x: token ids (B, T) on stage 0, else hidden states (B, T, H).
+        Returns hidden states (B, T, H), or on the last stage the scaled loss (a scalar)."""
+        h = self.embed_tokens(x) if self.is_first else x
+        pos = self.rotary_emb(h, ctx.position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos)
+        if not self.is_last:
+            return h
+        logits = self.lm_head(self.norm(h))[:, :-1].float()
+        targets = ctx.labels[:, 1:]
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        return loss_sum * ctx.loss_scale
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """This stage's parameters under their names in the original Hugging Face model."""
+        out = {}
+        for name, t in self.state_dict().items():
+            if name.startswith("rotary_emb."):
+                continue
+            out[name if name.startswith("lm_head.") else f"model.{name}"] = t
+        return out
+
+
+def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> list[Stage]:
+    """Deep-copy ``model`` once and carve it into stages (a fresh, independent set of modules)."""
+    model = copy.deepcopy(model)
+    inner = model.model
+    layers = list(inner.layers)
+    split = list(split) if split else balanced_split(len(layers), num_stages)
+    if sum(split) != len(layers):
+        raise ConfigError(f"mesh.split = {split} covers {sum(split)} layers but the model has {len(layers)}")
+    stages, start = [], 0
+    for s, n in enumerate(split):
+        first, last = s == 0, s == num_stages - 1
+        head = model.lm_head if last else None
+        if last and first is False and model.config.tie_word_embeddings:
+            # Separate copy of the tied matrix on the last stage (one code path for sim and dist:
+            # in a real mesh the two ends live in different processes).
+            head = copy.deepcopy(model.lm_head)
+            head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+        stages.append(Stage(s, num_stages, start, layers[start:start + n],
+                            copy.deepcopy(inner.rotary_emb) if s else inner.rotary_emb,
+                            inner.embed_tokens if first else None, inner.norm if last else None, head))
+        stages[-1].tied_embeddings = bool(model.config.tie_word_embeddings)
+        start += n
+    return stages
+
+
+def tied_pair(stages: list[Stage]) -> tuple[nn.Parameter, nn.Parameter] | None:
+    """(embedding on stage 0, head on the last stage) when they are tied copies in different stages."""
+    first, last = stages[0], stages[-1]
+    if first is last or not first.tied_embeddings:
+        return None
+    return first.embed_tokens.weight, last.lm_head.weight
+
+
+def merge_stages(template: nn.Module, stages: list[Stage]) -> nn.Module:
+    """A standalone Hugging Face model holding the stages' current weights (for eval and export)."""
+    model = copy.deepcopy(template)
+    state = {}
+    for stage in stages:
+        state.update({k: v.detach().clone() for k, v in stage.hf_state_dict().items()})
+    if model.config.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
+        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = nn.Parameter(state["lm_head.weight"].clone())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"stage weights do not cover the model: missing {missing}, unexpected {unexpected}")
+    return model
