@@ -109,3 +109,18 @@ def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(model.eval(), tokenizer, name)
+
+
+def model_num_layers(name: str) -> int | None:
+    """Decoder layer count without loading weights (None when only loading can tell)."""
+    import json
+
+    name = resolve_model_name(name)
+    if name.startswith("tiny-"):
+        return tiny_config(name.split("-", 1)[1]).num_hidden_layers
+    if name == "smollm2-135m":
+        return 30
+    path = Path(name)
+    if path.is_dir():
+        return json.loads((path / "config.json").read_text()).get("num_hidden_layers")
+    return None

@@ -1,0 +1,5 @@
+import sys
+
+from thinpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""The one command line: ``thinpipe train | eval | export | demo``.
+
+User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
+wrong and how to fix it, and exit code 2, before any model or data is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from thinpipe.config import ConfigError, load_config
+
+EXIT_USAGE = 2
+
+
+def _validate_names(cfg) -> None:
+    """Cheap checks of names that would otherwise fail only after loading a model."""
+    from thinpipe.data import CORPORA
+    from thinpipe.models.loading import model_num_layers, resolve_model_name
+
+    resolve_model_name(cfg.model.name)
+    if cfg.data.name not in CORPORA:
+        raise ConfigError(f"data.name = {cfg.data.name!r} is unknown: choose one of {', '.join(sorted(CORPORA))}")
+    layers = model_num_layers(cfg.model.name)
+    if layers is not None and cfg.mesh.pp > layers:
+        raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {layers} decoder layers: "
+                          f"use mesh.pp <= {layers}")
+    if layers is not None and cfg.mesh.split and sum(cfg.mesh.split) != layers:
+        raise ConfigError(f"mesh.split = {cfg.mesh.split} covers {sum(cfg.mesh.split)} layers but "
+                          f"{cfg.model.name} has {layers}")
+    if cfg.eval.tasks:
+        _validate_tasks(cfg.eval.tasks)
+
+
+def _validate_tasks(tasks: list[str]) -> None:
+    from thinpipe.eval import TASKS
+
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS))}")
+
+
+def cmd_train(args) -> int:
+    from thinpipe.engine.trainer import train
+
+    cfg = load_config(args.config, args.set)
+    _validate_names(cfg)
+    summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
+    print_summary(summary, Path(args.out))
+    return 0
+
+
+def print_summary(summary: dict, out: Path) -> None:
+    rows = [("steps", summary["steps"]), ("tokens", summary["tokens"]),
+            ("held-out loss: start", f"{summary['initial_val_loss']:.4f}"),
+            ("held-out loss: end", f"{summary['final_val_loss']:.4f}"),
+            ("held-out perplexity", f"{summary['val_ppl']:.2f}"),
+            ("wall", f"{summary['wall_s']:.1f} s ({summary['tokens_per_s']:.0f} tok/s)")]
+    rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in summary["bytes_per_token"].items() if v]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    print(f"results in {out}/ (summary.json, metrics.jsonl, loss.png)")
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not tasks:
+        raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa")
+    _validate_tasks(tasks)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    model, tokenizer = _eval_model(args.model)
+    from thinpipe.eval import evaluate_mc
+
+    torch.set_grad_enabled(False)
+
+    def logits_fn(ids, attention_mask):
+        return model(input_ids=ids, attention_mask=attention_mask).logits
+
+    results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(f"{'task':<16}{'n':>6}{'acc':>9}{'acc_norm':>10}")
+        for r in results:
+            print(f"{r['task']:<16}{r['n']:>6}{r['acc']:>9.4f}{r['acc_norm']:>10.4f}")
+    return 0
+
+
+def _eval_model(spec: str):
+    """``default`` / a preset / a model folder / a thinpipe run folder -> (HF model, tokenizer)."""
+    from thinpipe.models import load_model
+    from thinpipe.models.presets import DEFAULT_MODEL
+
+    path = Path(spec)
+    if path.is_dir() and (path / "checkpoint" / "state.pt").is_file():
+        from thinpipe.engine.trainer import load_run
+
+        _, model, tok = load_run(path)
+        return model.eval(), tok
+    loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
+    return loaded.model, loaded.tokenizer
+
+
+def cmd_export(args) -> int:
+    from thinpipe.engine.trainer import export
+
+    run = Path(args.run)
+    if not (run / "checkpoint" / "state.pt").is_file():
+        raise ConfigError(f"--run {run}: no checkpoint/state.pt there; give the --out folder of a `thinpipe train` run")
+    out = export(run, args.out)
+    print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from thinpipe.demo import run_demo
+
+    return run_demo(args.out, quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="thinpipe", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train on the simulated mesh")
+    t.add_argument("--config", help="TOML config file")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. mesh.pp=4")
+    t.add_argument("--out", required=True, help="run folder (config, metrics, summary, plot, checkpoint)")
+    t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="log-likelihood multiple-choice evaluation (lm-eval formats)")
+    e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")
+    e.add_argument("--tasks", required=True, help="comma-separated, e.g. arc_easy,piqa,hellaswag")
+    e.add_argument("--limit", type=int, default=None, help="items per task")
+    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="write a run's weights as a Hugging Face model folder")
+    x.add_argument("--run", required=True)
+    x.add_argument("--out", required=True)
+    x.set_defaults(func=cmd_export)
+
+    d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--quick", action="store_true", help="tiny model, seconds (for tests)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
