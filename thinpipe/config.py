@@ -133,8 +133,8 @@ class TrainConfig:
     """Seed for initialisation, data order and the masking PRF."""
     dtype: str = "float32"
     """Parameter and activation dtype: ``float32`` or ``bfloat16``."""
-    checkpoint_every: int = 0
-    """Write a resumable checkpoint every N steps (0 = only at the end)."""
+    checkpoint_every: int = 50
+    """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "microbatches"):

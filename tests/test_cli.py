@@ -1,0 +1,115 @@
+"""The command line: a tiny end-to-end run, export, resume, and clear errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from thinpipe.cli import main
+
+TINY = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.seq_len=32",
+        "--set", "train.batch_size=2", "--set", "train.lr=1e-3", "--set", "data.val_rows=4"]
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "thinpipe", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_train_end_to_end_writes_all_outputs(tmp_path):
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=6", "--set", "mesh.pp=2",
+                 "--set", "boundary.kind=mask", "--set", "boundary.p=0.5", "--set", "eval.every=3"]) == 0
+    for f in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/state.pt"):
+        assert (out / f).is_file(), f
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(6))
+    for key in ("step", "loss", "lr", "tokens", "pp_fwd_bytes", "pp_bwd_bytes", "dp_bytes", "anchor_bytes", "wall_s"):
+        assert key in rows[0]
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("steps", "tokens", "final_train_loss", "final_val_loss", "val_ppl", "pp_fwd_bytes", "pp_bwd_bytes",
+                "dp_bytes", "anchor_bytes", "bytes_per_token", "wall_s", "tokens_per_s", "trainable_params"):
+        assert key in s, key
+    k = round(0.5 * 64)
+    assert s["pp_fwd_bytes"] == 6 * 2 * 32 * k * 4  # steps x rows x tokens x K x fp32, one boundary
+    assert s["bytes_per_token"]["pp_fwd"] == k * 4
+    assert s["trainable_params"] == sum(p.numel() for p in __import__("tests.helpers", fromlist=["x"]).tiny_model().parameters())
+
+
+def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch):
+    from thinpipe.engine.sim import SimMesh
+
+    args = [*TINY, "--set", "train.steps=6", "--set", "mesh.pp=2", "--set", "boundary.kind=mask",
+            "--set", "mesh.dp=2", "--set", "train.checkpoint_every=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["train", "--out", str(full), "--quiet", *args]) == 0
+    real_step = SimMesh.train_step
+
+    def crashing_step(self, batches):
+        if self.step_index == 4:
+            raise RuntimeError("simulated crash")
+        return real_step(self, batches)
+
+    monkeypatch.setattr(SimMesh, "train_step", crashing_step)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(["train", "--out", str(part), "--quiet", *args])
+    assert torch.load(part / "checkpoint" / "state.pt", weights_only=False)["mesh"]["step"] == 3
+    monkeypatch.setattr(SimMesh, "train_step", real_step)
+    assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part)]
+    assert losses[0] == losses[1] and len(losses[0]) == 6
+    a = torch.load(full / "checkpoint" / "state.pt", weights_only=False)["mesh"]
+    b = torch.load(part / "checkpoint" / "state.pt", weights_only=False)["mesh"]
+    assert a["bytes"] == b["bytes"]
+    for sa, sb in zip(a["stages"][1], b["stages"][1]):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_export_loads_with_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from thinpipe.engine.trainer import load_run
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=2", "--set", "mesh.pp=2"]) == 0
+    assert main(["export", "--run", str(out), "--out", str(tmp_path / "hf")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    _, merged, _ = load_run(out)
+    ids = torch.randint(0, 512, (1, 10))
+    torch.testing.assert_close(hf(ids).logits, merged(ids).logits)
+
+
+BAD = [
+    (["train", "--out", "X", "--set", "train.stepz=3"], "unknown key 'train.stepz' (did you mean steps?)"),
+    (["train", "--out", "X", "--set", "trian.steps=3"], "unknown section 'trian'"),
+    (["train", "--out", "X", "--set", "train.steps=abc"], "train.steps expects a value of type int"),
+    (["train", "--out", "X", "--set", "boundary.p=1.0"], "boundary.p must be in [0, 1)"),
+    (["train", "--out", "X", "--set", "boundary.p=-0.1"], "boundary.p must be in [0, 1)"),
+    (["train", "--out", "X", "--set", "boundary.kind=zip"], "boundary.kind = 'zip' is unknown"),
+    (["train", "--out", "X", "--set", "model.name=tiny-llama", "--set", "mesh.pp=5"], "only 4 decoder layers"),
+    (["train", "--out", "X", "--set", "model.name=nope"], "model.name = 'nope' is neither a preset"),
+    (["train", "--out", "X", "--set", "data.name=books"], "data.name = 'books' is unknown"),
+    (["train", "--out", "X", "--config", "/no/such.toml"], "config file '/no/such.toml' not found"),
+    (["train", "--out", "X", "--set", "train.microbatches=3"], "does not divide train.batch_size"),
+    (["train", "--out", "X", "--set", "steps=3"], "must be dotted"),
+    (["train", "--out", "X", "--set", "mesh.pp=2", "--set", "boundary.masked=[3]"], "boundary that does not exist"),
+    (["train", "--out", "X", "--resume", "--set", "model.name=tiny-llama"], "no checkpoint"),
+    (["eval", "--tasks", "arc_hard"], "unknown task(s) arc_hard"),
+    (["eval", "--tasks", "arc_easy", "--limit", "0"], "--limit must be >= 1"),
+    (["export", "--run", "/no/run", "--out", "X"], "no checkpoint/state.pt"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m[:30] for _, m in BAD])
+def test_bad_input_one_clear_line_exit_2(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err
+
+
+def test_bad_input_through_the_real_entry_point():
+    r = run_cli("train", "--out", "X", "--set", "boundary.p=2")
+    assert r.returncode == 2 and r.stderr.strip().startswith("error: boundary.p must be in [0, 1)")
