@@ -44,7 +44,7 @@ class SimMesh:
         self.dp = [AllReduceDP(InProcessGroup(m.dp, self.meter, "dp")) for _ in range(m.pp)]
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
         self.optimizers = [[torch.optim.AdamW(st.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                              weight_decay=t.weight_decay) for st in stages]
+                                              weight_decay=t.weight_decay, fused=True) for st in stages]
                            for stages in self.replicas]
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.step_index = 0
