@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from thinpipe.data.packing import position_ids_from_segments
+
 
 @dataclass
 class MicrobatchContext:
@@ -32,13 +34,8 @@ def positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
     Padding (segment -1) attends causally among itself so no row of the mask is empty (an empty row
     gives NaN in SDPA); its labels are -100, so it never reaches the loss."""
-    b, t = segment_ids.shape
-    idx = torch.arange(t, device=segment_ids.device)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    start_pos = torch.where(starts, idx.expand(b, t), torch.zeros_like(segment_ids))
-    start_pos = torch.cummax(start_pos, dim=1).values
-    position_ids = idx.expand(b, t) - start_pos
+    t = segment_ids.shape[1]
+    position_ids = position_ids_from_segments(segment_ids)
     same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
     causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
     return position_ids, (same & causal).unsqueeze(1)
