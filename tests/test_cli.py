@@ -41,15 +41,16 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
     from thinpipe.engine.sim import SimMesh
 
     args = [*TINY, "--set", "train.steps=6", "--set", "mesh.pp=2", "--set", "boundary.kind=mask",
-            "--set", "mesh.dp=2", "--set", "train.checkpoint_every=3"]
+            "--set", "mesh.dp=2", "--set", "train.checkpoint_every=3", "--set", "mesh.anchor=1",
+            "--set", "anchor.staleness=2", "--set", "optim.spectral.rank=4"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), "--quiet", *args]) == 0
     real_step = SimMesh.train_step
 
-    def crashing_step(self, batches):
+    def crashing_step(self, batches, anchor_batch=None):
         if self.step_index == 4:
             raise RuntimeError("simulated crash")
-        return real_step(self, batches)
+        return real_step(self, batches, anchor_batch)
 
     monkeypatch.setattr(SimMesh, "train_step", crashing_step)
     with pytest.raises(RuntimeError, match="simulated crash"):

@@ -62,8 +62,13 @@ class MeshConfig:
     """Fast-circuit data-parallel replicas; each trains on its own data shard."""
     split: list[int] = field(default_factory=list)
     """Explicit decoder layers per stage, e.g. ``[8, 7, 7, 8]`` (empty = balanced)."""
+    anchor: int = 0
+    """Anchor-circuit replicas (0 or 1): unmasked passes on stale weights feeding the spectral
+    correction (paper §3.2)."""
 
     def validate(self) -> None:
+        if self.anchor not in (0, 1):
+            raise ConfigError(f"mesh.anchor must be 0 or 1 (the paper fixes Z = 1), got {self.anchor}")
         if self.pp < 1:
             raise ConfigError(f"mesh.pp must be >= 1, got {self.pp}")
         if self.dp < 1:
@@ -76,15 +81,16 @@ class MeshConfig:
                 raise ConfigError(f"mesh.split entries must be >= 1 layer each, got {self.split}")
 
 
-BOUNDARY_KINDS = ("identity", "mask")
+BOUNDARY_KINDS = ("identity", "mask", "topk")
 
 
 @dataclass(kw_only=True, slots=True)
 class BoundaryConfig:
     kind: str = "identity"
-    """PP boundary compressor: ``identity`` (dense) or ``mask`` (PRF random activation masking, §3.1)."""
+    """PP boundary compressor: ``identity`` (dense), ``mask`` (PRF random activation masking, §3.1)
+    or ``topk`` (the K largest-magnitude dims per token, indices sent; App. F's biased baseline)."""
     p: float = 0.95
-    """Mask ratio p for ``mask``: each token keeps K = round((1-p) H) of its H hidden dims."""
+    """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
     """Scale kept values by 1/(1-p) at the receiver so the masked activation is unbiased (App. F)."""
     masked: list[int] = field(default_factory=list)
@@ -160,6 +166,72 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class AnchorConfig:
+    staleness: int = 20
+    """delta: fast steps between an anchor pass on snapshot w_t and the delivery of its gradient."""
+    every: int = 0
+    """Start a new anchor cycle every N fast steps (0 = every ``staleness`` steps: one replica
+    finishing one pull-pass-push cycle per delta steps, the paper's regime)."""
+    mix: float = 0.0
+    """Variant (not in the paper): also add ``mix`` x the stale anchor gradient to the update at
+    its arrival step, as asynchronous SGD would. 0 = the paper's method."""
+
+    def validate(self) -> None:
+        if self.staleness < 1:
+            raise ConfigError(f"anchor.staleness must be >= 1 fast step, got {self.staleness}")
+        if self.every < 0:
+            raise ConfigError(f"anchor.every must be >= 0 (0 = anchor.staleness), got {self.every}")
+        if self.mix < 0:
+            raise ConfigError(f"anchor.mix must be >= 0, got {self.mix}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SpectralConfig:
+    tau: float = 1e-3
+    """Filter strength: d_i = s_i / (s_i + tau) (Table 2 default 1e-3)."""
+    alpha: float = 0.3
+    """Blend: G = alpha G_mask + (1 - alpha) G_filt (Table 2 default 0.3; 1 = no correction)."""
+    beta: float = 0.9
+    """EMA decay of the anchor momentum, applied per arrival (not given in the paper)."""
+    rank: int = 64
+    """SVD rank kept per matrix: full SVD when min(m, n) <= rank, else seeded randomized rank-r."""
+    relative_tau: bool = False
+    """Read tau relative to the top singular value s_1 (scale-free) instead of absolute."""
+    bias_correction: bool = False
+    """Variant: divide the anchor momentum by 1 - beta^k after k arrivals."""
+
+    def validate(self) -> None:
+        if self.tau <= 0:
+            raise ConfigError(f"optim.spectral.tau must be > 0, got {self.tau}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"optim.spectral.alpha must be in [0, 1], got {self.alpha}")
+        if not 0 <= self.beta < 1:
+            raise ConfigError(f"optim.spectral.beta must be in [0, 1), got {self.beta}")
+        if self.rank < 1:
+            raise ConfigError(f"optim.spectral.rank must be >= 1, got {self.rank}")
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    spectral: SpectralConfig = field(default_factory=SpectralConfig)
+    """Spectral correction around the inner AdamW; active when mesh.anchor = 1."""
+
+    def validate(self) -> None:
+        self.spectral.validate()
+
+
+@dataclass(kw_only=True, slots=True)
+class DiagConfig:
+    every: int = 0
+    """Every N steps, also compute the clean (unmasked) gradient at the same weights and batch and
+    log its cosine with the masked and the corrected gradient (costs one extra pass; 0 = off)."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"diag.every must be >= 0, got {self.every}")
+
+
+@dataclass(kw_only=True, slots=True)
 class EvalConfig:
     every: int = 0
     """Validation loss every N steps (0 = only at the start and the end)."""
@@ -182,6 +254,9 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    diag: DiagConfig = field(default_factory=DiagConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
@@ -248,19 +323,26 @@ def _suggest(word: str, options: list[str]) -> str:
 
 
 def apply_overrides(cfg: Config, values: dict[str, Any], source: str = "--set") -> Config:
-    """Apply ``{"section.key": value}`` (flat, dotted) overrides in place, type-checked."""
-    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    """Apply ``{"section.key": value}`` (flat, dotted, nested sections allowed) overrides in place, type-checked."""
     for dotted, value in values.items():
         if "." not in dotted:
             raise ConfigError(f"{source}: key {dotted!r} must be dotted as section.key, e.g. train.steps")
-        section, key = dotted.split(".", 1)
-        if section not in sections:
-            raise ConfigError(f"{source}: unknown section {section!r}{_suggest(section, list(sections))}")
-        obj = getattr(cfg, section)
-        fields = {f.name: f for f in dataclasses.fields(obj)}
-        if key not in fields:
-            raise ConfigError(f"{source}: unknown key {dotted!r}{_suggest(key, [f'{k}' for k in fields])}")
-        setattr(obj, key, _coerce(value, fields[key].type, dotted))
+        obj, parts = cfg, dotted.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name: f for f in dataclasses.fields(obj)}
+            if part not in fields:
+                where = ".".join(parts[:i])
+                what = f"key {dotted!r}" if where else f"section {part!r}"
+                raise ConfigError(f"{source}: unknown {what}{_suggest(part, list(fields))}")
+            if i == len(parts) - 1:
+                if dataclasses.is_dataclass(getattr(obj, part)):
+                    raise ConfigError(f"{source}: {dotted!r} is a section; set one of its keys, e.g. {dotted}."
+                                      f"{dataclasses.fields(getattr(obj, part))[0].name}")
+                setattr(obj, part, _coerce(value, fields[part].type, dotted))
+            else:
+                obj = getattr(obj, part)
+                if not dataclasses.is_dataclass(obj):
+                    raise ConfigError(f"{source}: {'.'.join(parts[:i + 1])!r} is a value, not a section")
     return cfg
 
 

@@ -6,8 +6,9 @@ import torch
 
 from thinpipe.boundary.base import Boundary, Payload
 from thinpipe.boundary.mask import MaskBoundary, kept_dims
+from thinpipe.boundary.topk import TopKBoundary
 
-__all__ = ["Boundary", "MaskBoundary", "Payload", "build_boundaries", "kept_dims"]
+__all__ = ["Boundary", "MaskBoundary", "Payload", "TopKBoundary", "build_boundaries", "kept_dims"]
 
 
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None) -> list[Boundary]:
@@ -19,6 +20,8 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
             out.append(Boundary(b, hidden_size, wire_dtype))
         elif cfg.kind == "mask":
             out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype))
+        elif cfg.kind == "topk":
+            out.append(TopKBoundary(b, hidden_size, cfg.p, wire_dtype))
         else:
             raise ValueError(f"unknown boundary kind {cfg.kind!r}")
     return out

@@ -5,7 +5,7 @@ A boundary sits between stage s (sender) and stage s+1 (receiver)::
     forward   sender:   z, payload = encode(x, ctx)      z: differentiable, in the sender's graph
               wire:     payload                           explicit tensors; their bytes are counted
               receiver: z_hat = decode(payload, ctx)      plain tensor, made a leaf by the plumbing
-                        x_hat = lift(z_hat, ctx)          differentiable in z_hat (and receiver params)
+                        x_hat = lift(z_hat, payload, ctx) differentiable in z_hat (and receiver params)
     backward  receiver: payload = encode_grad(dL/dz_hat, ctx)
               sender:   dL/dz = decode_grad(payload, ctx); autograd continues from z
 
@@ -61,7 +61,7 @@ class Boundary(nn.Module):
     def decode(self, payload: Payload, ctx) -> torch.Tensor:
         return payload.tensors["x"]
 
-    def lift(self, z_hat: torch.Tensor, ctx) -> torch.Tensor:
+    def lift(self, z_hat: torch.Tensor, payload: Payload, ctx) -> torch.Tensor:
         return z_hat
 
     def encode_grad(self, g: torch.Tensor, ctx) -> Payload:

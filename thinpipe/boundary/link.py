@@ -24,7 +24,7 @@ def receiver_forward(boundary: Boundary, payload: Payload, ctx, dtype: torch.dty
     if z_hat.is_floating_point():
         # A fresh leaf (never the payload tensor itself), in the compute dtype.
         z_hat = z_hat.detach().to(dtype).requires_grad_(True)
-    return z_hat, boundary.lift(z_hat, ctx)
+    return z_hat, boundary.lift(z_hat, payload, ctx)
 
 
 def receiver_backward(boundary: Boundary, z_hat: torch.Tensor, ctx) -> Payload:

@@ -49,7 +49,7 @@ class MaskBoundary(Boundary):
     def decode(self, payload, ctx):
         return payload.tensors["values"]
 
-    def lift(self, z_hat, ctx):
+    def lift(self, z_hat, payload, ctx):
         b, t, _ = z_hat.shape
         idx = self._flat_indices((b, t), ctx, z_hat.device)
         x_hat = z_hat.new_zeros(b, t, self.hidden_size).scatter(-1, idx, z_hat)

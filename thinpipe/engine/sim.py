@@ -4,13 +4,16 @@ Every replica holds its own copy of every stage and its own optimizers, as real 
 PP transport is an in-process mailbox and the DP group an in-process collective, both metered. The
 step is: run every replica's pipeline schedule -> DP sync per stage -> tied-embedding sync ->
 global-norm clip -> optimizer step. The DP slot (``self.dp[stage]``) takes any object with
-``start(rank, params)`` / ``finish(handle)``; the anchor circuit will plug in after the DP sync.
+``start(rank, params)`` / ``finish(handle)``. With ``mesh.anchor = 1`` an anchor circuit runs an
+unmasked cycle on the step's weights every ``anchor.every`` steps, and the priors due at a step are
+folded into each stage's spectral-correction optimizer just before it steps (§3.2, §3.4).
 """
 
 from __future__ import annotations
 
 import torch
 
+from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import build_boundaries
 from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox
 from thinpipe.config import Config
@@ -20,6 +23,7 @@ from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.worker import StageWorker
 from thinpipe.models.stages import Stage, build_stages, tied_pair
 from thinpipe.optim import clip_coefficient, cosine_with_warmup, tensor_norms
+from thinpipe.optim.spectral import SpectralCorrection
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -43,12 +47,25 @@ class SimMesh:
                          for s, st in enumerate(stages)] for r, stages in enumerate(self.replicas)]
         self.dp = [AllReduceDP(InProcessGroup(m.dp, self.meter, "dp")) for _ in range(m.pp)]
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
-        self.optimizers = [[torch.optim.AdamW(st.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                              weight_decay=t.weight_decay, fused=True) for st in stages]
-                           for stages in self.replicas]
+        self.optimizers = [[self._optimizer(st, s) for s, st in enumerate(stages)] for stages in self.replicas]
+        self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
+                                        replica_tag=m.dp) if m.anchor else None)
+        self.priors_consumed = 0
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.step_index = 0
         self.last_grad_norm = 0.0
+
+    def _optimizer(self, stage: Stage, index: int):
+        t = self.cfg.train
+        inner = torch.optim.AdamW(stage.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
+                                  weight_decay=t.weight_decay, fused=True)
+        if not self.cfg.mesh.anchor:
+            return inner
+        sp = self.cfg.optim.spectral
+        # Same seed on every replica of a stage: identical bases keep DP replicas identical.
+        return SpectralCorrection(stage.named_parameters(), inner, tau=sp.tau, alpha=sp.alpha, beta=sp.beta,
+                                  rank=sp.rank, relative_tau=sp.relative_tau, bias_correction=sp.bias_correction,
+                                  seed=t.seed * 131 + index)
 
     # ------------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -69,9 +86,10 @@ class SimMesh:
             losses.append(sum(last.losses))
         return sum(losses) / len(losses)
 
-    def sync_and_step(self) -> None:
+    def sync_gradients(self) -> None:
+        """DP sync per stage (post for every replica, then finish), then the tied-embedding sync."""
         m = self.cfg.mesh
-        for s in range(m.pp):          # DP: post for every replica, then finish (one group per stage)
+        for s in range(m.pp):
             handles = [self.dp[s].start(r, list(self.replicas[r][s].parameters())) for r in range(m.dp)]
             for h in handles:
                 self.dp[s].finish(h)
@@ -84,15 +102,25 @@ class SimMesh:
                 b.grad.copy_(total)
                 if r == 0:
                     self.meter.add("tied", 2 * a.grad.numel() * a.grad.element_size())
+
+    def optimizer_step(self) -> None:
+        """Clip, fold in the anchor priors due now, correct, step; then advance the step counter."""
+        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
+        self.priors_consumed += len(priors)
+        lr = self.lr_at(self.step_index)
+        for r in range(self.cfg.mesh.dp):
             stages = self.replicas[r]
             norms = torch.cat([tensor_norms(st.parameters()) for st in stages])
             total_norm, coef = clip_coefficient(norms, self.cfg.train.grad_clip)
-            lr = self.lr_at(self.step_index)
-            for st, opt in zip(stages, self.optimizers[r]):
+            for s, (st, opt) in enumerate(zip(stages, self.optimizers[r])):
                 if coef < 1.0:
                     for p in st.parameters():
                         if p.grad is not None:
                             p.grad.mul_(coef)
+                for prior in priors:
+                    opt.receive_prior(prior.grads[s])
+                    if self.cfg.anchor.mix:
+                        self._mix_anchor(st, prior.grads[s])
                 for g in opt.param_groups:
                     g["lr"] = lr
                 opt.step()
@@ -101,9 +129,24 @@ class SimMesh:
                 self.last_grad_norm = total_norm
         self.step_index += 1
 
-    def train_step(self, batches: list[dict]) -> float:
+    @torch.no_grad()
+    def _mix_anchor(self, stage: Stage, grads: dict[str, torch.Tensor]) -> None:
+        """Variant ``anchor.mix``: add the stale anchor gradient itself, as asynchronous SGD would."""
+        for name, p in stage.named_parameters():
+            if name in grads and p.grad is not None:
+                p.grad.add_(grads[name], alpha=self.cfg.anchor.mix)
+
+    def run_anchor(self, anchor_batch: dict | None) -> None:
+        if self.anchor is not None and self.anchor.starts_at(self.step_index):
+            if anchor_batch is None:
+                raise ValueError("the anchor circuit starts a cycle at this step but got no batch")
+            self.anchor.run_cycle(self.step_index, self.replicas[0], anchor_batch, self.cfg.mesh.dp)
+
+    def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
         loss = self.forward_backward(batches)
-        self.sync_and_step()
+        self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
+        self.sync_gradients()
+        self.optimizer_step()
         return loss
 
     # ------------------------------------------------------------------------------------------
@@ -123,7 +166,8 @@ class SimMesh:
         return {"step": self.step_index,
                 "stages": [[st.state_dict() for st in stages] for stages in self.replicas],
                 "optimizers": [[o.state_dict() for o in opts] for opts in self.optimizers],
-                "bytes": self.meter.snapshot()}
+                "bytes": self.meter.snapshot(), "priors_consumed": self.priors_consumed,
+                "anchor": self.anchor.state_dict() if self.anchor is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_index = state["step"]
@@ -134,3 +178,6 @@ class SimMesh:
             for o, sd in zip(opts, sds):
                 o.load_state_dict(sd)
         self.meter.totals.update(state["bytes"])
+        self.priors_consumed = state["priors_consumed"]
+        if self.anchor is not None:
+            self.anchor.load_state_dict(state["anchor"])

@@ -57,6 +57,15 @@ def trainable_params(mesh: SimMesh) -> int:
     return sum(seen.values()) - (pair[1].numel() if pair is not None else 0)
 
 
+def anchor_summary(mesh: SimMesh) -> dict:
+    if mesh.anchor is None:
+        return {}
+    seen = mesh.anchor.staleness_seen
+    return {"priors_consumed": mesh.priors_consumed,
+            "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
+            "anchor_staleness_max": max(seen) if seen else None}
+
+
 def _atomic_save(obj, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
@@ -128,8 +137,14 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     wall0 = time.perf_counter() - (metrics[-1]["wall_s"] if metrics else 0.0)
     if not val_points:
         val_points.append((0, validation_loss(mesh, val_ds, t.batch_size)))
-    streams = [batches(train_ds, t.batch_size, t.seed, shard=r, num_shards=cfg.mesh.dp, start_step=start)
+    shards = cfg.mesh.dp + cfg.mesh.anchor  # the anchor replica trains on its own shard
+    streams = [batches(train_ds, t.batch_size, t.seed, shard=r, num_shards=shards, start_step=start)
                for r in range(cfg.mesh.dp)]
+    anchor_stream = None
+    if mesh.anchor is not None:
+        cycles_done = -(-start // mesh.anchor.every)  # cycles started at steps 0, every, 2 every, ... < start
+        anchor_stream = batches(train_ds, t.batch_size, t.seed, shard=cfg.mesh.dp, num_shards=shards,
+                                start_step=cycles_done)
     tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
     with open(out / "metrics.jsonl", "w") as f:
         for m in metrics:
@@ -139,7 +154,8 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     with open(out / "metrics.jsonl", "a") as f:
         for step in bar:
             lr = mesh.lr_at(step)
-            loss = mesh.train_step([next(s) for s in streams])
+            anchor_batch = next(anchor_stream) if anchor_stream and mesh.anchor.starts_at(step) else None
+            loss = mesh.train_step([next(s) for s in streams], anchor_batch)
             if not math.isfinite(loss):
                 save_checkpoint(mesh, out, {"val_points": val_points})
                 raise RuntimeError(f"training diverged at step {step}: loss = {loss}; lower train.lr "
@@ -172,6 +188,7 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
         "bytes_per_token": {a: b[a] / tokens for a in METRIC_AXES},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
         "trainable_params": trainable_params(mesh),
+        **anchor_summary(mesh),
         "val_points": val_points,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

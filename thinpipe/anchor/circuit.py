@@ -1,0 +1,95 @@
+"""Anchor circuit in the single-process simulation, with deterministic delivery.
+
+One anchor replica of the pipeline (paper §3, Z = 1). A cycle started at fast step t
+  1. pulls the fast circuit's weights w_t (one fast replica's stages; bytes on the ``anchor`` axis),
+  2. runs an unmasked forward-backward on its own data shard with dense boundaries,
+  3. pushes the gradient back to every fast replica (bytes on the ``anchor`` axis),
+and the prior is consumed by the spectral-correction optimizer at step t + delta exactly (App. H:
+the cycle takes ~delta fast steps). By default a new cycle starts every delta steps, as one
+replica would manage; ``anchor.every`` < delta models concurrent cycles (H.5).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from thinpipe.boundary import Boundary
+from thinpipe.engine.context import make_contexts
+from thinpipe.engine.schedule import SCHEDULES, serial_order
+from thinpipe.engine.worker import StageWorker
+from thinpipe.models.stages import Stage, build_stages
+
+
+@dataclass
+class AnchorPrior:
+    produced_step: int
+    due_step: int
+    grads: list[dict[str, torch.Tensor]]  # per stage: local param name -> gradient at w_produced
+
+
+class SimAnchorCircuit:
+    def __init__(self, model, cfg, mailbox, meter, wire_dtype, compute_dtype, replica_tag: int):
+        m, t = cfg.mesh, cfg.train
+        self.cfg, self.meter, self.wire_dtype = cfg, meter, wire_dtype
+        self.staleness = cfg.anchor.staleness
+        self.every = cfg.anchor.every or cfg.anchor.staleness
+        self.stages: list[Stage] = build_stages(model, m.split or None, m.pp)
+        for st in self.stages:
+            st.requires_grad_(True)
+        hidden = model.config.hidden_size
+        boundaries = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
+        self.workers = [StageWorker(st, replica_tag, boundaries[s - 1] if s else None,
+                                    boundaries[s] if s < m.pp - 1 else None, mailbox, compute_dtype)
+                        for s, st in enumerate(self.stages)]
+        self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
+        self.replica_tag = replica_tag
+        self.pending: deque[AnchorPrior] = deque()
+        self.staleness_seen: list[int] = []
+
+    def _elem_bytes(self, t: torch.Tensor) -> int:
+        return torch.tensor([], dtype=self.wire_dtype).element_size() if self.wire_dtype else t.element_size()
+
+    def starts_at(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def run_cycle(self, step: int, fast_stages: list[Stage], batch: dict, fast_replicas: int) -> None:
+        """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta."""
+        pull = 0
+        with torch.no_grad():
+            for mine, theirs in zip(self.stages, fast_stages):
+                for a, b in zip(mine.parameters(), theirs.parameters()):
+                    a.copy_(b)
+                    pull += a.numel() * self._elem_bytes(a)
+        self.meter.add("anchor", pull)
+        ctxs = make_contexts(batch, self.cfg.train.microbatches, step, self.replica_tag)
+        for s, (kind, mb) in self.schedule:
+            (self.workers[s].forward if kind == "F" else self.workers[s].backward)(ctxs[mb])
+        grads, push = [], 0
+        for st in self.stages:
+            g = {n: p.grad.detach().clone() for n, p in st.named_parameters() if p.grad is not None}
+            push += sum(v.numel() * self._elem_bytes(v) for v in g.values())
+            grads.append(g)
+            st.zero_grad(set_to_none=True)
+        self.meter.add("anchor", push * fast_replicas)
+        self.pending.append(AnchorPrior(step, step + self.staleness, grads))
+
+    def due(self, step: int) -> list[AnchorPrior]:
+        """Priors whose delivery step is ``step`` (never earlier)."""
+        out = []
+        while self.pending and self.pending[0].due_step <= step:
+            prior = self.pending.popleft()
+            assert prior.due_step == step, "a prior was skipped"
+            self.staleness_seen.append(step - prior.produced_step)
+            out.append(prior)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"pending": [(p.produced_step, p.due_step, p.grads) for p in self.pending],
+                "staleness_seen": list(self.staleness_seen)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = deque(AnchorPrior(*p) for p in state["pending"])
+        self.staleness_seen = list(state["staleness_seen"])
