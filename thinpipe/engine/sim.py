@@ -19,6 +19,7 @@ from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox
 from thinpipe.config import Config
 from thinpipe.dp import AllReduceDP
 from thinpipe.engine.context import make_contexts
+from thinpipe.engine.diagnostics import gradient_diagnostics
 from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.worker import StageWorker
 from thinpipe.models.stages import Stage, build_stages, tied_pair
@@ -51,6 +52,7 @@ class SimMesh:
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
                                         replica_tag=m.dp) if m.anchor else None)
         self.priors_consumed = 0
+        self.last_diagnostics: dict | None = None
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.step_index = 0
         self.last_grad_norm = 0.0
@@ -144,6 +146,9 @@ class SimMesh:
 
     def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
         loss = self.forward_backward(batches)
+        every = self.cfg.diag.every
+        self.last_diagnostics = (gradient_diagnostics(self, batches[0])
+                                 if every and self.step_index % every == 0 else None)
         self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
         self.sync_gradients()
         self.optimizer_step()

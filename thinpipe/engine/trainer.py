@@ -164,6 +164,8 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
             row = {"step": step, "loss": loss, "lr": lr, "tokens": (step + 1) * tokens_per_step,
                    "grad_norm": mesh.last_grad_norm, **{f"{a}_bytes": b[a] for a in METRIC_AXES},
                    "wall_s": time.perf_counter() - wall0}
+            if mesh.last_diagnostics is not None:
+                row["diag"] = mesh.last_diagnostics
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
                 row["val_loss"] = validation_loss(mesh, val_ds, t.batch_size)
                 val_points.append((step + 1, row["val_loss"]))
