@@ -184,3 +184,14 @@ def test_diagnostics_restore_the_masked_gradient_and_report_alignment():
     dense = SimMesh(tiny_model("llama"), config(model__name="tiny-llama", mesh__pp=2, train__batch_size=2))
     dense.forward_backward([batch])
     assert gradient_diagnostics(dense, batch)["cos_mask_clean_all"] == pytest.approx(1.0, abs=1e-9)
+
+
+def test_anchor_bytes_pull_pass_push():
+    mesh = SimMesh(tiny_model("llama"), _anchor_cfg(mesh__dp=2, anchor__staleness=5))
+    mesh.train_step([tiny_batch(2, seed=0), tiny_batch(2, seed=1)], tiny_batch(2, seed=2))
+    n_params = sum(p.numel() for st in mesh.anchor.stages for p in st.parameters())
+    tokens = 2 * 16
+    pull, push = n_params * 4, 2 * n_params * 4          # push goes to both fast replicas
+    pp = 2 * tokens * 64 * 4                             # one dense boundary, forward + backward
+    assert mesh.meter.totals["anchor"] == pull + pp + push
+    assert mesh.meter.totals["pp_fwd"] == 2 * tokens * round(0.5 * 64) * 4  # only the fast replicas' masked traffic

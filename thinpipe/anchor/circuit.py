@@ -2,7 +2,8 @@
 
 One anchor replica of the pipeline (paper §3, Z = 1). A cycle started at fast step t
   1. pulls the fast circuit's weights w_t (one fast replica's stages; bytes on the ``anchor`` axis),
-  2. runs an unmasked forward-backward on its own data shard with dense boundaries,
+  2. runs an unmasked forward-backward on its own data shard with dense boundaries (its PP
+     traffic is metered on the ``anchor`` axis too: it is not on the fast circuit's links),
   3. pushes the gradient back to every fast replica (bytes on the ``anchor`` axis),
 and the prior is consumed by the spectral-correction optimizer at step t + delta exactly (App. H:
 the cycle takes ~delta fast steps). By default a new cycle starts every delta steps, as one
@@ -42,7 +43,8 @@ class SimAnchorCircuit:
         hidden = model.config.hidden_size
         boundaries = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
         self.workers = [StageWorker(st, replica_tag, boundaries[s - 1] if s else None,
-                                    boundaries[s] if s < m.pp - 1 else None, mailbox, compute_dtype)
+                                    boundaries[s] if s < m.pp - 1 else None, mailbox, compute_dtype,
+                                    axes=("anchor", "anchor"))
                         for s, st in enumerate(self.stages)]
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.replica_tag = replica_tag

@@ -17,10 +17,11 @@ from thinpipe.models.stages import Stage
 
 class StageWorker:
     def __init__(self, stage: Stage, replica: int, in_boundary: Boundary | None, out_boundary: Boundary | None,
-                 transport, compute_dtype: torch.dtype = torch.float32):
+                 transport, compute_dtype: torch.dtype = torch.float32, axes: tuple[str, str] = ("pp_fwd", "pp_bwd")):
         self.stage, self.replica = stage, replica
         self.in_boundary, self.out_boundary = in_boundary, out_boundary
         self.transport, self.compute_dtype = transport, compute_dtype
+        self.fwd_axis, self.bwd_axis = axes  # the anchor circuit meters its PP traffic on its own axis
         self._saved: dict[int, dict] = {}
         self.losses: list[float] = []
 
@@ -46,7 +47,7 @@ class StageWorker:
             self.losses.append(float(out.detach()))
         else:
             saved["z"], payload = sender_forward(self.out_boundary, out, ctx)
-            self.transport.send(self._tag("F", self.out_boundary, ctx.microbatch), payload, "pp_fwd")
+            self.transport.send(self._tag("F", self.out_boundary, ctx.microbatch), payload, self.fwd_axis)
 
     def backward(self, ctx) -> None:
         saved = self._saved.pop(ctx.microbatch)
@@ -57,4 +58,4 @@ class StageWorker:
             sender_backward(self.out_boundary, saved["z"], payload, ctx)
         if not self.stage.is_first:
             payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)
-            self.transport.send(self._tag("B", self.in_boundary, ctx.microbatch), payload, "pp_bwd")
+            self.transport.send(self._tag("B", self.in_boundary, ctx.microbatch), payload, self.bwd_axis)

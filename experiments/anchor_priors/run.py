@@ -1,0 +1,109 @@
+"""Anchor priors at small scale: SmolLM2-135M adapted on a real domain, every arm token-matched.
+
+Each arm is one `thinpipe train` run (same data order, steps, tokens, seed); arms run as parallel
+processes. Results: <out>/<arm>/summary.json + metrics.jsonl, then `report.py` builds the tables
+and plots. Rerun everything with
+
+    .venv/bin/python experiments/anchor_priors/run.py --suite main --out experiments/anchor_priors/results
+
+Suites: main (Table 1 arms), p_delta (Table 2 p x delta), tau, alpha, rescale, variants, smoke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+# The shared recipe for every arm (see README.md here for why these sizes).
+BASE = {"model.name": "smollm2-135m", "data.name": "math", "mesh.pp": 4, "train.batch_size": 4,
+        "train.seq_len": 128, "train.microbatches": 2, "train.steps": 120, "train.lr": 1e-4,
+        "data.val_rows": 32, "eval.every": 20, "model.tied": "untie", "diag.every": 20,
+        "train.checkpoint_every": 0}
+AP = {"mesh.anchor": 1}
+
+
+def mask(p):
+    return {"boundary.kind": "mask", "boundary.p": p}
+
+
+def topk(p):
+    return {"boundary.kind": "topk", "boundary.p": p}
+
+
+SUITES = {
+    "main": {"Dense": {}, "M90": mask(0.90), "M95": mask(0.95), "M90+AP": {**mask(0.90), **AP},
+             "M95+AP": {**mask(0.95), **AP}, "TopK95": topk(0.95), "TopK95+AP": {**topk(0.95), **AP}},
+    "p_delta": {f"M{int(p * 100)}+AP d{d}": {**mask(p), **AP, "anchor.staleness": d}
+                for p in (0.90, 0.95, 0.99) for d in (10, 20, 50)},
+    "tau": {f"M95+AP tau{t:g}": {**mask(0.95), **AP, "optim.spectral.tau": t} for t in (1e-5, 1e-4, 1e-3, 1e-1)},
+    "alpha": {f"M95+AP alpha{a:g}": {**mask(0.95), **AP, "optim.spectral.alpha": a} for a in (0.0, 0.3, 0.5, 1.0)},
+    "rescale": {"M95 norescale": {**mask(0.95), "boundary.rescale": False},
+                "M95+AP norescale": {**mask(0.95), **AP, "boundary.rescale": False},
+                "M95+AP reltau": {**mask(0.95), **AP, "optim.spectral.relative_tau": True}},
+    "variants": {"M95+AP biascorr": {**mask(0.95), **AP, "optim.spectral.bias_correction": True},
+                 "M95+AP every5": {**mask(0.95), **AP, "anchor.every": 5},
+                 "M95+AP mix": {**mask(0.95), **AP, "anchor.mix": 0.5},
+                 "M95 half-boundaries": {**mask(0.95), "boundary.masked": [0, 2]}},
+    "smoke": {"Dense": {"train.steps": 4, "eval.every": 2, "diag.every": 2},
+              "M95+AP": {**mask(0.95), **AP, "anchor.staleness": 2, "train.steps": 4, "eval.every": 2,
+                         "diag.every": 2}},
+}
+
+
+def arm_dir(out: Path, name: str) -> Path:
+    return out / name.replace(" ", "_").replace("+", "p")
+
+
+def run_arm(name: str, sets: dict, out: Path, base: dict, threads: int) -> dict:
+    folder = arm_dir(out, name)
+    if (folder / "summary.json").is_file():
+        print(f"[skip] {name}: done already", flush=True)
+        return json.loads((folder / "summary.json").read_text())
+    args = [sys.executable, "-m", "thinpipe", "train", "--out", str(folder), "--quiet"]
+    for k, v in {**base, **sets}.items():
+        args += ["--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    t0 = time.time()
+    print(f"[start] {name}", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "log.txt", "w") as log:
+        r = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if r.returncode:
+        print(f"[fail] {name}: exit {r.returncode}, see {folder / 'log.txt'}", flush=True)
+        return {}
+    print(f"[done] {name} in {time.time() - t0:.0f} s", flush=True)
+    return json.loads((folder / "summary.json").read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--suite", default="main", choices=sorted(SUITES))
+    ap.add_argument("--out", default="experiments/anchor_priors/results")
+    ap.add_argument("--jobs", type=int, default=2, help="arms run in parallel")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per arm")
+    ap.add_argument("--set", action="append", default=[], help="override the shared recipe, key=value")
+    ap.add_argument("--only", default="", help="comma-separated arm names to run")
+    args = ap.parse_args()
+    base = dict(BASE)
+    for item in args.set:
+        k, v = item.split("=", 1)
+        base[k] = v
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arms = SUITES[args.suite]
+    if args.only:
+        keep = {a.strip() for a in args.only.split(",")}
+        arms = {k: v for k, v in arms.items() if k in keep}
+    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": base, "arms": arms}, indent=2))
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda kv: run_arm(kv[0], kv[1], out, base, args.threads), arms.items()))
+
+
+if __name__ == "__main__":
+    main()
