@@ -107,3 +107,26 @@ def test_masked_boundary_subset_and_bf16_wire():
     expected = (tokens * 64 + tokens * 32 + tokens * 64) * 2  # dense, masked, dense; 2-byte bf16 wire
     assert mesh.meter.totals["pp_fwd"] == expected == mesh.meter.totals["pp_bwd"]
     assert [b.kind for b in mesh.boundaries] == ["identity", "mask", "identity"]
+
+
+def test_topk_keeps_largest_sends_indices_and_matches_backward_sparsity():
+    from thinpipe.boundary import TopKBoundary
+
+    b = TopKBoundary(0, H, p=0.9)
+    x = torch.randn(2, 3, H, requires_grad=True)
+    z, payload = sender_forward(b, x, ctx())
+    assert payload.tensors["indices"].dtype == torch.int16 and payload.tensors["values"].shape == (2, 3, b.keep)
+    z_hat, x_hat = receiver_forward(b, payload, ctx(), torch.float32)
+    kept = x_hat != 0
+    assert (kept.sum(-1) == b.keep).all()
+    # the kept entries are the K largest magnitudes of each token, unscaled
+    thresh = x.detach().abs().topk(b.keep, -1).values[..., -1:]
+    assert torch.equal(kept, x.detach().abs() >= thresh)
+    assert torch.equal(x_hat[kept], x.detach()[kept])
+    x_hat.backward(torch.ones_like(x_hat))
+    gpay = receiver_backward(b, z_hat, ctx())
+    assert set(gpay.tensors) == {"values"}  # no indices on the way back
+    sender_backward(b, z, gpay, ctx())
+    assert torch.equal(x.grad != 0, kept)
+    fwd, bwd = b.expected_bytes(6, 4)
+    assert payload.nbytes == fwd == 6 * b.keep * (4 + 2) and gpay.nbytes == bwd == 6 * b.keep * 4
