@@ -114,3 +114,11 @@ def test_bad_input_one_clear_line_exit_2(args, message, tmp_path, monkeypatch, c
 def test_bad_input_through_the_real_entry_point():
     r = run_cli("train", "--out", "X", "--set", "boundary.p=2")
     assert r.returncode == 2 and r.stderr.strip().startswith("error: boundary.p must be in [0, 1)")
+
+
+def test_demo_quick_runs_all_arms(tmp_path, capsys):
+    assert main(["demo", "--quick", "--out", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    for arm in ("Dense", "M95", "M95+AP"):
+        assert f"\n{arm} " in out
+    assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()

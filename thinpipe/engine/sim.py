@@ -29,13 +29,18 @@ from thinpipe.optim.spectral import SpectralCorrection
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def wire_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype activations and their gradients travel in (None: as computed, i.e. fp32)."""
+    name = cfg.train.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype
+    return None if name == "float32" else DTYPES[name]
+
+
 class SimMesh:
     def __init__(self, model, cfg: Config):
         self.cfg = cfg
         t, m = cfg.train, cfg.mesh
         self.compute_dtype = DTYPES[t.dtype]
-        wire = None if cfg.boundary.dtype == "auto" and t.dtype == "float32" else \
-            DTYPES[t.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype]
+        wire = wire_dtype(cfg)
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
         hidden = model.config.hidden_size
