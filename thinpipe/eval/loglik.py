@@ -4,10 +4,11 @@ Reproduces lm-evaluation-harness's ``HFLM.loglikelihood`` for decoder-only model
 
 * ``_encode_pair``: trailing whitespace of the context moves to the front of the
   continuation; context+continuation is encoded *together* and split at the token length of
-  the separately encoded context (so a token merging across the boundary counts as
-  continuation).  An empty context is replaced by the prefix token (BOS, else EOS).
+  the separately encoded context (purely by position: the continuation is whatever the joint
+  encoding holds after the first ``len(context_tokens)`` tokens).  An empty context is
+  replaced by the prefix token (BOS, else EOS).
 * tokens are encoded with ``add_special_tokens=False`` (lm-eval HFLM's ``add_bos_token=False``,
-  its default for causal models up to v0.4.8); ``add_bos_token=True`` passes
+  its long-standing default for causal models); ``add_bos_token=True`` passes
   ``add_special_tokens=True`` and ``None`` leaves the tokenizer's default, as newer HFLM does.
 * the model input is ``(context + continuation)[-(max_len + 1):][:-1]`` (left truncation);
   the continuation's log-probs are read from the last ``len(continuation)`` positions;
@@ -47,8 +48,8 @@ def encode_pair(
 ) -> tuple[list[int], list[int]]:
     """Token ids of (context, continuation) exactly as lm-eval's HFLM computes them.
 
-    ``add_bos_token`` is passed to ``tokenizer.encode`` as ``add_special_tokens`` (False: lm-eval
-    <= 0.4.8's HFLM default; None: the tokenizer's own default, newer lm-eval's HFLM default).
+    ``add_bos_token`` is passed to ``tokenizer.encode`` as ``add_special_tokens`` (False: the
+    long-standing lm-eval HFLM default; None: the tokenizer's own default, as recent HFLM releases do).
     """
     if context == "":
         return [_prefix_token_id(tokenizer)], _encode(tokenizer, continuation, add_bos_token)
@@ -134,7 +135,9 @@ def score_requests(
                     ids, mask = ids.to(device), mask.to(device)
                 logits = logits_fn(ids, mask)
                 if logits.dim() != 3 or logits.shape[:2] != ids.shape:
-                    raise ValueError(f"logits_fn returned shape {tuple(logits.shape)} for input {tuple(ids.shape)}")
+                    raise ValueError(
+                        f"logits_fn returned shape {tuple(logits.shape)} for input {tuple(ids.shape)}"
+                    )
                 done = 0
                 for r, inp in enumerate(batch):
                     n = len(inp)

@@ -135,7 +135,8 @@ def _render_arc(task: str) -> Callable[[int, dict], MCItem]:
 
 
 def _render_piqa(i: int, d: dict) -> MCItem:
-    return _choices_item(f"piqa/validation/{i}", f"Question: {d['goal']}\nAnswer:", [d["sol1"], d["sol2"]], d["label"])
+    ctx = f"Question: {d['goal']}\nAnswer:"
+    return _choices_item(f"piqa/validation/{i}", ctx, [d["sol1"], d["sol2"]], d["label"])
 
 
 def hellaswag_preprocess(text: str) -> str:

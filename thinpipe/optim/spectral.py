@@ -108,7 +108,7 @@ class SpectralCorrection:
             if g is None:
                 continue
             M = self.momentum.get(name)
-            g = g.detach().to(torch.float32)
+            g = g.detach().to(p.dtype)
             M = (1 - self.beta) * g if M is None else self.beta * M + (1 - self.beta) * g
             self.momentum[name] = M
             M_eff = M / (1 - self.beta ** k) if self.bias_correction else M
@@ -126,8 +126,11 @@ class SpectralCorrection:
             if basis is None or p.grad is None:
                 continue
             d = filter_weights(basis.S, self.tau, self.relative_tau)
-            g = p.grad.to(torch.float32)
-            p.grad.copy_(blend(g, spectral_filter(g, basis, d), self.alpha))
+            g = p.grad
+            X = basis.U.T @ g @ basis.V
+            X = d[:, None] * X * d[None, :]
+            # blend(g, spectral_filter(g)) fused in place: g <- alpha g + (1 - alpha) (U X) V^T
+            g.mul_(self.alpha).addmm_(basis.U @ X, basis.V.T, alpha=1.0 - self.alpha)
 
     def step(self) -> None:
         self.apply()
