@@ -22,7 +22,7 @@ from pathlib import Path
 
 # The shared recipe for every arm (see README.md here for why these sizes).
 BASE = {"model.name": "smollm2-135m", "data.name": "math", "mesh.pp": 4, "train.batch_size": 4,
-        "train.seq_len": 128, "train.microbatches": 2, "train.steps": 120, "train.lr": 1e-4,
+        "train.seq_len": 128, "train.microbatches": 2, "train.steps": 100, "train.lr": 1e-4,
         "data.val_rows": 32, "eval.every": 20, "model.tied": "untie", "diag.every": 20,
         "train.checkpoint_every": 0}
 AP = {"mesh.anchor": 1}
