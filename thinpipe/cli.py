@@ -76,13 +76,10 @@ def cmd_eval(args) -> int:
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     model, tokenizer = _eval_model(args.model)
-    from thinpipe.eval import evaluate_mc
+    from thinpipe.eval import evaluate_mc, logits_fn_from_model
 
     torch.set_grad_enabled(False)
-
-    def logits_fn(ids, attention_mask):
-        return model(input_ids=ids, attention_mask=attention_mask).logits
-
+    logits_fn = logits_fn_from_model(model)
     results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
     if args.json:
         print(json.dumps(results, indent=2))
