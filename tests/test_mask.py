@@ -130,3 +130,16 @@ def test_topk_keeps_largest_sends_indices_and_matches_backward_sparsity():
     assert torch.equal(x.grad != 0, kept)
     fwd, bwd = b.expected_bytes(6, 4)
     assert payload.nbytes == fwd == 6 * b.keep * (4 + 2) and gpay.nbytes == bwd == 6 * b.keep * 4
+
+
+def test_p_warmup_ramps_kept_dims_and_stays_unbiased():
+    b = MaskBoundary(0, H, p=0.9, seed=0, warmup_steps=10)
+    assert [b.keep_at(s) for s in (0, 5, 10, 50)] == [64, kept_dims(64, 0.45), b.keep, b.keep]
+    x = torch.randn(1, 2, H)
+    z, payload = sender_forward(b, x, ctx(step=5))
+    assert payload.tensors["values"].shape[-1] == kept_dims(64, 0.45)
+    x_hat = receiver_forward(b, payload, ctx(step=5), torch.float32)[1]
+    kept = x_hat != 0
+    torch.testing.assert_close(x_hat[kept], x[kept] * 64 / kept_dims(64, 0.45))
+    z, payload = sender_forward(b, x, ctx(step=0))
+    assert torch.equal(receiver_forward(b, payload, ctx(step=0), torch.float32)[1], x)  # p = 0: dense, exact

@@ -95,6 +95,8 @@ class BoundaryConfig:
     """Scale kept values by 1/(1-p) at the receiver so the masked activation is unbiased (App. F)."""
     masked: list[int] = field(default_factory=list)
     """Which boundaries (0 = between stage 0 and 1) are compressed; empty = all."""
+    p_warmup: int = 0
+    """Variant (not in the paper): ramp the mask ratio linearly from 0 to p over this many steps."""
     dtype: str = "auto"
     """Wire dtype of activations and their gradients: ``auto`` (the training dtype), ``float32``, ``bfloat16``."""
 
@@ -103,6 +105,8 @@ class BoundaryConfig:
             raise ConfigError(f"boundary.kind = {self.kind!r} is unknown: choose one of {', '.join(BOUNDARY_KINDS)}")
         if not 0.0 <= self.p < 1.0:
             raise ConfigError(f"boundary.p must be in [0, 1) (the fraction of dims dropped), got {self.p}")
+        if self.p_warmup < 0:
+            raise ConfigError(f"boundary.p_warmup must be >= 0 steps, got {self.p_warmup}")
         if any(b < 0 for b in self.masked):
             raise ConfigError(f"boundary.masked holds boundary indices >= 0, got {self.masked}")
         if self.dtype not in ("auto", "float32", "bfloat16"):

@@ -49,6 +49,7 @@ SUITES = {
     "variants": {"M95+AP biascorr": {**mask(0.95), **AP, "optim.spectral.bias_correction": True},
                  "M95+AP every5": {**mask(0.95), **AP, "anchor.every": 5},
                  "M95+AP mix": {**mask(0.95), **AP, "anchor.mix": 0.5},
+                 "M95+AP pwarmup": {**mask(0.95), **AP, "boundary.p_warmup": 30},
                  "M95 half-boundaries": {**mask(0.95), "boundary.masked": [0, 2]}},
     "smoke": {"Dense": {"train.steps": 4, "eval.every": 2, "diag.every": 2},
               "M95+AP": {**mask(0.95), **AP, "anchor.staleness": 2, "train.steps": 4, "eval.every": 2,

@@ -19,7 +19,7 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
         if cfg.kind == "identity" or not compressed:
             out.append(Boundary(b, hidden_size, wire_dtype))
         elif cfg.kind == "mask":
-            out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype))
+            out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype, cfg.p_warmup))
         elif cfg.kind == "topk":
             out.append(TopKBoundary(b, hidden_size, cfg.p, wire_dtype))
         else:

@@ -24,23 +24,30 @@ class MaskBoundary(Boundary):
     kind = "mask"
 
     def __init__(self, index: int, hidden_size: int, p: float, seed: int, rescale: bool = True,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, warmup_steps: int = 0):
         super().__init__(index, hidden_size, wire_dtype)
-        self.p, self.seed, self.rescale = p, seed, rescale
+        self.p, self.seed, self.rescale, self.warmup_steps = p, seed, rescale, warmup_steps
         self.keep = kept_dims(hidden_size, p)
         # (1-p) is the expected kept fraction; K/H is what is actually kept per token. Scaling by
         # H/K makes the estimator exactly unbiased for the exactly-K mask (equals 1/(1-p) when
         # (1-p) H is an integer, as for the paper's settings).
         self.scale = hidden_size / self.keep
 
+    def keep_at(self, step: int) -> int:
+        """K at a step: with a warm-up (a variant, not the paper's), p ramps linearly from 0 to p.
+        Both ends know the step, so K never needs to be sent."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return kept_dims(self.hidden_size, self.p * step / self.warmup_steps)
+        return self.keep
+
     def indices(self, ctx, tokens: int, device) -> torch.Tensor:
         # The replica joins the key so that DP replicas draw independent masks (their noise averages out).
         key = prf_key(self.seed, self.index, ctx.step, ctx.microbatch, ctx.replica)
-        return keep_indices(key, tokens, self.hidden_size, self.keep, device)
+        return keep_indices(key, tokens, self.hidden_size, self.keep_at(ctx.step), device)
 
     def _flat_indices(self, shape, ctx, device) -> torch.Tensor:
-        tokens = shape[0] * shape[1]
-        return self.indices(ctx, tokens, device).view(shape[0], shape[1], self.keep)
+        idx = self.indices(ctx, shape[0] * shape[1], device)
+        return idx.view(shape[0], shape[1], idx.shape[-1])
 
     def encode(self, x, ctx):
         z = x.gather(-1, self._flat_indices(x.shape, ctx, x.device))
@@ -53,7 +60,7 @@ class MaskBoundary(Boundary):
         b, t, _ = z_hat.shape
         idx = self._flat_indices((b, t), ctx, z_hat.device)
         x_hat = z_hat.new_zeros(b, t, self.hidden_size).scatter(-1, idx, z_hat)
-        return x_hat * self.scale if self.rescale else x_hat
+        return x_hat * (self.hidden_size / idx.shape[-1]) if self.rescale else x_hat
 
     def encode_grad(self, g, ctx):
         return Payload({"values": self._to_wire(g)})
