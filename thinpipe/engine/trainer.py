@@ -114,7 +114,9 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     if resume:
         saved_cfg = load_config(out / "config.toml")
         if saved_cfg.to_dict() != cfg.to_dict():
-            cfg = saved_cfg  # resume always continues the run as it was configured
+            print(f"[thinpipe] --resume continues the run as configured in {out / 'config.toml'}; "
+                  "the config given on the command line is ignored", file=sys.stderr)
+            cfg = saved_cfg
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     loaded = load_model(cfg.model.name, seed=cfg.train.seed)
