@@ -78,9 +78,9 @@ def cmd_eval(args) -> int:
     model, tokenizer = _eval_model(args.model)
     from thinpipe.eval import evaluate_mc, logits_fn_from_model
 
-    torch.set_grad_enabled(False)
     logits_fn = logits_fn_from_model(model)
-    results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
+    with torch.no_grad():
+        results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
     if args.json:
         print(json.dumps(results, indent=2))
     else:

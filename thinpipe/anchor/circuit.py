@@ -57,6 +57,7 @@ class SimAnchorCircuit:
     def starts_at(self, step: int) -> bool:
         return step % self.every == 0
 
+    @torch.enable_grad()
     def run_cycle(self, step: int, fast_stages: list[Stage], batch: dict, fast_replicas: int) -> None:
         """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta."""
         pull = 0

@@ -35,6 +35,7 @@ def _stash(stages):
     return [{n: p.grad.clone() for n, p in st.named_parameters() if p.grad is not None} for st in stages]
 
 
+@torch.enable_grad()
 def clean_gradient(mesh, batch: dict) -> list[dict[str, torch.Tensor]]:
     """Replica 0's unmasked gradient on ``batch`` at its current weights; leaves .grad as it was."""
     stages = mesh.replicas[0]

@@ -79,6 +79,7 @@ class SimMesh:
         t = self.cfg.train
         return t.lr * cosine_with_warmup(step, t.steps, t.warmup_ratio, t.min_lr_ratio)
 
+    @torch.enable_grad()
     def forward_backward(self, batches: list[dict]) -> float:
         """Run every replica's pipeline on its batch; leaves gradients in the stages. Returns the
         mean over replicas of the (token-mean) training loss."""
