@@ -195,3 +195,24 @@ def test_anchor_bytes_pull_pass_push():
     pp = 2 * tokens * 64 * 4                             # one dense boundary, forward + backward
     assert mesh.meter.totals["anchor"] == pull + pp + push
     assert mesh.meter.totals["pp_fwd"] == 2 * tokens * round(0.5 * 64) * 4  # only the fast replicas' masked traffic
+
+
+def test_compressed_anchor_push_bytes_and_low_rank_prior():
+    from thinpipe.dp.powersgd import should_compress
+
+    mesh = SimMesh(tiny_model("llama"), _anchor_cfg(anchor__staleness=5, anchor__push_rank=2))
+    mesh.train_step([tiny_batch(2, seed=0)], tiny_batch(2, seed=2))
+    prior = mesh.anchor.pending[0]
+    n_params = sum(p.numel() for st in mesh.anchor.stages for p in st.parameters())
+    push = 0
+    for st, grads in zip(mesh.anchor.stages, prior.grads):
+        for name, p in st.named_parameters():
+            n, m = p.shape[0], p[0].numel() if p.ndim > 1 else 1
+            if p.ndim >= 2 and should_compress(n, m, 2, 2.0):
+                push += 2 * (n + m)
+                assert torch.linalg.matrix_rank(grads[name]) <= 2  # the prior the fast circuit gets is P Q^T
+            else:
+                push += p.numel()
+    tokens = 2 * 16
+    assert mesh.meter.totals["anchor"] == (n_params + push) * 4 + 2 * tokens * 64 * 4
+    assert push < n_params / 4

@@ -179,6 +179,9 @@ class AnchorConfig:
     mix: float = 0.0
     """Variant (not in the paper): also add ``mix`` x the stale anchor gradient to the update at
     its arrival step, as asynchronous SGD would. 0 = the paper's method."""
+    push_rank: int = 0
+    """Compress the pushed anchor gradient with PowerSGD at this rank (error feedback, warm-started
+    Q; App. H.2: "compressed to roughly the volume of one DP all-reduce payload"); 0 = dense."""
 
     def validate(self) -> None:
         if self.staleness < 1:
@@ -187,6 +190,8 @@ class AnchorConfig:
             raise ConfigError(f"anchor.every must be >= 0 (0 = anchor.staleness), got {self.every}")
         if self.mix < 0:
             raise ConfigError(f"anchor.mix must be >= 0, got {self.mix}")
+        if self.push_rank < 0:
+            raise ConfigError(f"anchor.push_rank must be >= 0 (0 = dense push), got {self.push_rank}")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,7 +4,8 @@ One anchor replica of the pipeline (paper §3, Z = 1). A cycle started at fast s
   1. pulls the fast circuit's weights w_t (one fast replica's stages; bytes on the ``anchor`` axis),
   2. runs an unmasked forward-backward on its own data shard with dense boundaries (its PP
      traffic is metered on the ``anchor`` axis too: it is not on the fast circuit's links),
-  3. pushes the gradient back to every fast replica (bytes on the ``anchor`` axis),
+  3. pushes the gradient back to every fast replica (bytes on the ``anchor`` axis), dense or as
+     PowerSGD factors P, Q (``anchor.push_rank``; error feedback kept on the anchor side),
 and the prior is consumed by the spectral-correction optimizer at step t + delta exactly (App. H:
 the cycle takes ~delta fast steps). By default a new cycle starts every delta steps, as one
 replica would manage; ``anchor.every`` < delta models concurrent cycles (H.5).
@@ -18,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.boundary import Boundary
+from thinpipe.comm import LocalGroup
+from thinpipe.dp.powersgd import PowerSGDState, powersgd_average, wire_numel
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.worker import StageWorker
@@ -48,6 +51,8 @@ class SimAnchorCircuit:
                         for s, st in enumerate(self.stages)]
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.replica_tag = replica_tag
+        self.push = ([PowerSGDState(rank=cfg.anchor.push_rank, start_step=0, seed=t.seed + s) for s in range(m.pp)]
+                     if cfg.anchor.push_rank else None)
         self.pending: deque[AnchorPrior] = deque()
         self.staleness_seen: list[int] = []
 
@@ -71,9 +76,16 @@ class SimAnchorCircuit:
         for s, (kind, mb) in self.schedule:
             (self.workers[s].forward if kind == "F" else self.workers[s].backward)(ctxs[mb])
         grads, push = [], 0
-        for st in self.stages:
+        for s, st in enumerate(self.stages):
             g = {n: p.grad.detach().clone() for n, p in st.named_parameters() if p.grad is not None}
-            push += sum(v.numel() * self._elem_bytes(v) for v in g.values())
+            elem = self._elem_bytes(next(iter(g.values())))
+            if self.push is None:
+                push += sum(v.numel() for v in g.values()) * elem
+            else:
+                # What the fast replicas receive is P Q^T: run the compression in place on one worker.
+                push += wire_numel({n: tuple(v.shape) for n, v in g.items()}, self.push[s]) * elem
+                for _ in powersgd_average(self.push[s], g, LocalGroup(), 0, 1):
+                    pass
             grads.append(g)
             st.zero_grad(set_to_none=True)
         self.meter.add("anchor", push * fast_replicas)
@@ -91,8 +103,11 @@ class SimAnchorCircuit:
 
     def state_dict(self) -> dict:
         return {"pending": [(p.produced_step, p.due_step, p.grads) for p in self.pending],
-                "staleness_seen": list(self.staleness_seen)}
+                "staleness_seen": list(self.staleness_seen),
+                "push": [st.state_dict() for st in self.push] if self.push else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = deque(AnchorPrior(*p) for p in state["pending"])
         self.staleness_seen = list(state["staleness_seen"])
+        for st, sd in zip(self.push or [], state.get("push") or []):
+            st.load_state_dict(sd)
