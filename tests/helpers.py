@@ -34,3 +34,19 @@ def config(**sets) -> Config:
     cfg = Config()
     apply_overrides(cfg, {k.replace("__", "."): v for k, v in sets.items()})
     return cfg.validate()
+
+
+def drive(gens):
+    """Run ranks' generators in lockstep: every rank posts its collective before any waits."""
+    gens = list(gens)
+    while gens:
+        alive = []
+        for g in gens:
+            try:
+                work = next(g)
+            except StopIteration:
+                continue
+            alive.append((g, work))
+        for _, work in alive:
+            work.wait()
+        gens = [g for g, _ in alive]

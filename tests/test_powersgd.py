@@ -6,22 +6,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ptpsgd
 
 from thinpipe.comm import ByteMeter, InProcessGroup
 from thinpipe.dp.powersgd import PowerSGDState, orthonormalize, powersgd_average, wire_numel
-
-
-def drive(gens):
-    """Run ranks' generators in lockstep: every rank posts its collective before any waits."""
-    gens = list(gens)
-    while gens:
-        alive = []
-        for g in gens:
-            try:
-                work = next(g)
-            except StopIteration:
-                continue
-            alive.append((g, work))
-        for _, work in alive:
-            work.wait()
-        gens = [g for g, _ in alive]
+from tests.helpers import drive
 
 
 def average(states, tensors_per_rank):
