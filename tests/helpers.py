@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from thinpipe.comm import drive_lockstep as drive  # noqa: F401  (re-exported for tests)
 from thinpipe.config import Config, apply_overrides
 from thinpipe.models.presets import tiny_config
 
@@ -35,18 +36,3 @@ def config(**sets) -> Config:
     apply_overrides(cfg, {k.replace("__", "."): v for k, v in sets.items()})
     return cfg.validate()
 
-
-def drive(gens):
-    """Run ranks' generators in lockstep: every rank posts its collective before any waits."""
-    gens = list(gens)
-    while gens:
-        alive = []
-        for g in gens:
-            try:
-                work = next(g)
-            except StopIteration:
-                continue
-            alive.append((g, work))
-        for _, work in alive:
-            work.wait()
-        gens = [g for g, _ in alive]

@@ -82,3 +82,19 @@ class Mailbox:
             return self._box.pop(tag)
         except KeyError:
             raise RuntimeError(f"payload {tag} received before it was sent (schedule bug)") from None
+
+
+def drive_lockstep(gens) -> None:
+    """Run several virtual ranks' collective generators (each yields a ``Work`` per collective)
+    in lockstep: every rank posts its collective before any rank waits, as real ranks would."""
+    gens = list(gens)
+    while gens:
+        posted = []
+        for g in gens:
+            try:
+                posted.append((g, next(g)))
+            except StopIteration:
+                continue
+        for _, work in posted:
+            work.wait()
+        gens = [g for g, _ in posted]
