@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.boundary import Boundary
-from thinpipe.comm import LocalGroup
+from thinpipe.comm import LocalGroup, drive_lockstep
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average, wire_numel
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.schedule import SCHEDULES, serial_order
@@ -84,8 +84,7 @@ class SimAnchorCircuit:
             else:
                 # What the fast replicas receive is P Q^T: run the compression in place on one worker.
                 push += wire_numel({n: tuple(v.shape) for n, v in g.items()}, self.push[s]) * elem
-                for _ in powersgd_average(self.push[s], g, LocalGroup(), 0, 1):
-                    pass
+                drive_lockstep([powersgd_average(self.push[s], g, LocalGroup(), 0, 1)])
             grads.append(g)
             st.zero_grad(set_to_none=True)
         self.meter.add("anchor", push * fast_replicas)
