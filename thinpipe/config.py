@@ -169,6 +169,41 @@ class TrainConfig:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
+DP_KINDS = ("allreduce", "powersgd", "diloco")
+
+
+@dataclass(kw_only=True, slots=True)
+class DPConfig:
+    kind: str = "allreduce"
+    """DP synchronisation of the fast replicas (each stage's replicas form one DP group):
+    ``allreduce`` (exact gradient average every step), ``powersgd`` (low-rank gradient average
+    every step) or ``diloco`` (H inner steps, then an outer Nesterov step on the averaged
+    pseudo-gradient, PowerSGD-compressed when ``dp.rank`` > 0)."""
+    rank: int = 4
+    """PowerSGD rank (for ``powersgd``; for ``diloco``, 0 = uncompressed outer average)."""
+    start_step: int = 10
+    """PowerSGD averages uncompressed before this many averages (PyTorch's start_powerSGD_iter)."""
+    inner_steps: int = 10
+    """DiLoCo H: inner steps between outer steps (the paper uses 10)."""
+    outer_lr: float = 0.7
+    """DiLoCo outer SGD learning rate."""
+    outer_momentum: float = 0.9
+    """DiLoCo outer Nesterov momentum."""
+
+    def validate(self) -> None:
+        if self.kind not in DP_KINDS:
+            raise ConfigError(f"dp.kind = {self.kind!r} is unknown: choose one of {', '.join(DP_KINDS)}")
+        if self.rank < 0 or (self.kind == "powersgd" and self.rank < 1):
+            raise ConfigError(f"dp.rank must be >= 1 for powersgd (>= 0 for diloco), got {self.rank}")
+        if self.start_step < 0:
+            raise ConfigError(f"dp.start_step must be >= 0, got {self.start_step}")
+        if self.inner_steps < 1:
+            raise ConfigError(f"dp.inner_steps must be >= 1, got {self.inner_steps}")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"dp.outer_lr must be > 0 and dp.outer_momentum in [0, 1), got "
+                              f"{self.outer_lr}, {self.outer_momentum}")
+
+
 @dataclass(kw_only=True, slots=True)
 class AnchorConfig:
     staleness: int = 20
@@ -263,6 +298,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)

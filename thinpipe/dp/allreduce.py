@@ -1,34 +1,25 @@
-"""Exact data parallelism: average gradients over a stage's DP group every step.
+"""Exact data parallelism: average tensors over a DP group.
 
-Split into ``start`` (post the collective, get a handle) and ``finish`` (wait, write back) so that a
-caller can overlap the wait with other work and so that one process can drive several virtual
-ranks (the simulation posts for every replica before finishing any). Compressed schemes (PowerSGD,
-DiLoCo, Streaming DiLoCo) implement the same two calls.
+A generator yielding the collective's ``Work`` (the same shape as PowerSGD and DiLoCo), so that one
+process can drive several simulated ranks in lockstep and a real rank can overlap the wait.
 """
 
 from __future__ import annotations
 
+from collections.abc import Generator
+
 import torch
 
 
-class AllReduceDP:
-    def __init__(self, group):
-        self.group = group
-
-    def start(self, rank: int, params: list[torch.nn.Parameter]):
-        grads = [p.grad for p in params if p.grad is not None]
-        if self.group.size == 1 or not grads:
-            return None
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        return grads, flat, self.group.all_reduce(rank, flat)
-
-    def finish(self, handle) -> None:
-        if handle is None:
-            return
-        grads, flat, work = handle
-        work.wait()
-        flat /= self.group.size
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+def allreduce_average(tensors: dict[str, torch.Tensor], group, rank: int, world: int) -> Generator:
+    """Replace each tensor (in place) by its mean over the group."""
+    if world == 1 or not tensors:
+        return
+    ts = list(tensors.values())
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    yield group.all_reduce(rank, flat)
+    flat /= world
+    offset = 0
+    for t in ts:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

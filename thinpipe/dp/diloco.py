@@ -19,6 +19,7 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.dp.allreduce import allreduce_average
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
 
 
@@ -53,13 +54,7 @@ def outer_step(state: DiLoCoState, named_local, group, rank: int, world: int,
     if compressor is not None:
         yield from powersgd_average(compressor, deltas, group, rank, world)
     else:
-        flat = torch.cat([d.reshape(-1) for d in deltas.values()])
-        yield group.all_reduce(rank, flat)
-        flat /= world
-        offset = 0
-        for d in deltas.values():
-            d.copy_(flat[offset:offset + d.numel()].view_as(d))
-            offset += d.numel()
+        yield from allreduce_average(deltas, group, rank, world)
     for n, g in state.global_params.items():
         g.grad = deltas[n]
     state.outer.step()

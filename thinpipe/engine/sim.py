@@ -3,8 +3,8 @@
 Every replica holds its own copy of every stage and its own optimizers, as real workers would; the
 PP transport is an in-process mailbox and the DP group an in-process collective, both metered. The
 step is: run every replica's pipeline schedule -> DP sync per stage -> tied-embedding sync ->
-global-norm clip -> optimizer step. The DP slot (``self.dp[stage]``) takes any object with
-``start(rank, params)`` / ``finish(handle)``. With ``mesh.anchor = 1`` an anchor circuit runs an
+global-norm clip -> optimizer step (-> DiLoCo outer step every H steps). DP algorithms are
+generators over one rank's tensors (``thinpipe.dp``), driven here in lockstep over the replicas. With ``mesh.anchor = 1`` an anchor circuit runs an
 unmasked cycle on the step's weights every ``anchor.every`` steps, and the priors due at a step are
 folded into each stage's spectral-correction optimizer just before it steps (§3.2, §3.4).
 """
@@ -15,9 +15,9 @@ import torch
 
 from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import build_boundaries
-from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox
+from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
-from thinpipe.dp import AllReduceDP
+from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.diagnostics import gradient_diagnostics
 from thinpipe.engine.schedule import SCHEDULES, serial_order
@@ -51,7 +51,13 @@ class SimMesh:
         self.workers = [[StageWorker(st, r, self.boundaries[s - 1] if s else None,
                                      self.boundaries[s] if s < m.pp - 1 else None, self.mailbox, self.compute_dtype)
                          for s, st in enumerate(stages)] for r, stages in enumerate(self.replicas)]
-        self.dp = [AllReduceDP(InProcessGroup(m.dp, self.meter, "dp")) for _ in range(m.pp)]
+        self.groups = [InProcessGroup(m.dp, self.meter, "dp") for _ in range(m.pp)]  # one DP group per stage
+        d = cfg.dp
+        compress = d.kind == "powersgd" or (d.kind == "diloco" and d.rank > 0)
+        self.psgd = [[PowerSGDState(rank=d.rank, start_step=d.start_step if d.kind == "powersgd" else 0,
+                                    seed=t.seed * 7 + s) for s in range(m.pp)] for _ in range(m.dp)] if compress else None
+        self.diloco = ([[DiLoCoState(st.named_parameters(), d.outer_lr, d.outer_momentum) for st in stages]
+                        for stages in self.replicas] if d.kind == "diloco" else None)
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
         self.optimizers = [[self._optimizer(st, s) for s, st in enumerate(stages)] for stages in self.replicas]
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
@@ -94,13 +100,19 @@ class SimMesh:
             losses.append(sum(last.losses))
         return sum(losses) / len(losses)
 
+    def _grad_average(self, r: int, s: int):
+        grads = {n: p.grad for n, p in self.replicas[r][s].named_parameters() if p.grad is not None}
+        if self.cfg.dp.kind == "powersgd":
+            return powersgd_average(self.psgd[r][s], grads, self.groups[s], r, self.cfg.mesh.dp)
+        return allreduce_average(grads, self.groups[s], r, self.cfg.mesh.dp)
+
     def sync_gradients(self) -> None:
-        """DP sync per stage (post for every replica, then finish), then the tied-embedding sync."""
+        """Per-step DP gradient sync per stage (every replica posts, then all finish; DiLoCo has
+        none: it syncs weights every H steps), then the tied-embedding sync."""
         m = self.cfg.mesh
-        for s in range(m.pp):
-            handles = [self.dp[s].start(r, list(self.replicas[r][s].parameters())) for r in range(m.dp)]
-            for h in handles:
-                self.dp[s].finish(h)
+        if self.cfg.dp.kind in ("allreduce", "powersgd") and m.dp > 1:
+            for s in range(m.pp):
+                drive_lockstep(self._grad_average(r, s) for r in range(m.dp))
         for r in range(m.dp):
             pair = self.tied[r]
             if pair is not None:       # the two ends exchange their gradients and both apply the sum
@@ -135,7 +147,15 @@ class SimMesh:
                 opt.zero_grad(set_to_none=True)
             if r == 0:
                 self.last_grad_norm = total_norm
+        if self.diloco is not None and (self.step_index + 1) % self.cfg.dp.inner_steps == 0:
+            self.diloco_outer_step()
         self.step_index += 1
+
+    def diloco_outer_step(self) -> None:
+        m = self.cfg.mesh
+        for s in range(m.pp):
+            drive_lockstep(outer_step(self.diloco[r][s], self.replicas[r][s].named_parameters(), self.groups[s], r,
+                                      m.dp, self.psgd[r][s] if self.psgd else None) for r in range(m.dp))
 
     @torch.no_grad()
     def _mix_anchor(self, stage: Stage, grads: dict[str, torch.Tensor]) -> None:
@@ -178,6 +198,8 @@ class SimMesh:
                 "stages": [[st.state_dict() for st in stages] for stages in self.replicas],
                 "optimizers": [[o.state_dict() for o in opts] for opts in self.optimizers],
                 "bytes": self.meter.snapshot(), "priors_consumed": self.priors_consumed,
+                "psgd": [[st.state_dict() for st in row] for row in self.psgd] if self.psgd else None,
+                "diloco": [[st.state_dict() for st in row] for row in self.diloco] if self.diloco else None,
                 "anchor": self.anchor.state_dict() if self.anchor is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -190,5 +212,9 @@ class SimMesh:
                 o.load_state_dict(sd)
         self.meter.totals.update(state["bytes"])
         self.priors_consumed = state["priors_consumed"]
+        for rows, saved in ((self.psgd, state.get("psgd")), (self.diloco, state.get("diloco"))):
+            for row, srow in zip(rows or [], saved or []):
+                for st, sd in zip(row, srow):
+                    st.load_state_dict(sd)
         if self.anchor is not None:
             self.anchor.load_state_dict(state["anchor"])
