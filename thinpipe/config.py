@@ -169,7 +169,7 @@ class TrainConfig:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
 
 
-DP_KINDS = ("allreduce", "powersgd", "diloco")
+DP_KINDS = ("allreduce", "powersgd", "diloco", "streaming-diloco")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -189,6 +189,14 @@ class DPConfig:
     """DiLoCo outer SGD learning rate."""
     outer_momentum: float = 0.9
     """DiLoCo outer Nesterov momentum."""
+    fragments: int = 1
+    """Streaming DiLoCo F: fragments strided over layers, synced on a staggered schedule."""
+    overlap: int = 0
+    """Streaming DiLoCo tau: inner steps between posting a fragment's outer all-reduce and applying it."""
+    alpha: float = 0.5
+    """Streaming DiLoCo mixing on arrival: local <- alpha local + (1 - alpha) global_new."""
+    quantize: bool = False
+    """Streaming DiLoCo: exchange outer gradients as int8 with per-row scales (all-gather)."""
 
     def validate(self) -> None:
         if self.kind not in DP_KINDS:
@@ -199,6 +207,14 @@ class DPConfig:
             raise ConfigError(f"dp.start_step must be >= 0, got {self.start_step}")
         if self.inner_steps < 1:
             raise ConfigError(f"dp.inner_steps must be >= 1, got {self.inner_steps}")
+        if self.fragments < 1 or self.fragments > self.inner_steps:
+            raise ConfigError(f"dp.fragments must be in [1, dp.inner_steps = {self.inner_steps}], got {self.fragments}")
+        if not 0 <= self.overlap < self.inner_steps:
+            raise ConfigError(f"dp.overlap must be in [0, dp.inner_steps), got {self.overlap}")
+        if not 0 <= self.alpha <= 1:
+            raise ConfigError(f"dp.alpha must be in [0, 1], got {self.alpha}")
+        if self.quantize and self.kind != "streaming-diloco":
+            raise ConfigError("dp.quantize applies to dp.kind = streaming-diloco only")
         if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
             raise ConfigError(f"dp.outer_lr must be > 0 and dp.outer_momentum in [0, 1), got "
                               f"{self.outer_lr}, {self.outer_momentum}")

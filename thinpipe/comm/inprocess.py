@@ -38,11 +38,15 @@ class LocalGroup:
         work._done = True
         return work
 
+    def all_gather(self, rank: int, tensor: torch.Tensor) -> tuple[Work, list[torch.Tensor]]:
+        return self.all_reduce(rank, tensor), [tensor]
+
 
 class InProcessGroup:
     def __init__(self, size: int, meter: ByteMeter, axis: str):
         self.size, self.meter, self.axis = size, meter, axis
         self._pending: dict[int, tuple[torch.Tensor, Work]] = {}
+        self._gather: dict[tuple, tuple] = {}
 
     def all_reduce(self, rank: int, tensor: torch.Tensor) -> Work:
         """Sum over members, in place. Metered as a ring all-reduce: 2 (n-1)/n of the tensor per member."""
@@ -62,6 +66,24 @@ class InProcessGroup:
                 w._done = True
             self._pending.clear()
         return work
+
+
+    def all_gather(self, rank: int, tensor: torch.Tensor) -> tuple[Work, list[torch.Tensor]]:
+        """Every member's tensor, in rank order (filled when the last member has posted). Metered
+        as a ring all-gather: (n-1) x the tensor per member."""
+        key = ("gather", rank)
+        if key in self._gather:
+            raise RuntimeError(f"rank {rank} posted twice to the same all-gather")
+        work, out = Work(), []
+        self._gather[key] = (tensor.clone(), work, out)
+        self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
+        if len(self._gather) == self.size:
+            members = [self._gather[("gather", r)] for r in range(self.size)]
+            for _, w, o in members:
+                o.extend(t for t, _, _ in members)
+                w._done = True
+            self._gather.clear()
+        return work, out
 
 
 class Mailbox:
@@ -98,3 +120,22 @@ def drive_lockstep(gens) -> None:
         for _, work in posted:
             work.wait()
         gens = [g for g, _ in posted]
+
+
+class InFlight:
+    """Collectives posted now and finished later (overlap): each rank's generator is advanced to
+    its first yield (posting the collective); ``finish`` waits and runs the rest in lockstep."""
+
+    def __init__(self, gens) -> None:
+        self.gens, self.works = [], []
+        for g in gens:
+            try:
+                self.works.append(next(g))
+                self.gens.append(g)
+            except StopIteration:
+                pass
+
+    def finish(self) -> None:
+        for w in self.works:
+            w.wait()
+        drive_lockstep(self.gens)

@@ -15,9 +15,10 @@ import torch
 
 from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import build_boundaries
-from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
+from thinpipe.comm import ByteMeter, InFlight, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
 from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
+from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.diagnostics import gradient_diagnostics
 from thinpipe.engine.schedule import SCHEDULES, serial_order
@@ -58,6 +59,10 @@ class SimMesh:
                                     seed=t.seed * 7 + s) for s in range(m.pp)] for _ in range(m.dp)] if compress else None
         self.diloco = ([[DiLoCoState(st.named_parameters(), d.outer_lr, d.outer_momentum) for st in stages]
                         for stages in self.replicas] if d.kind == "diloco" else None)
+        self.streaming = ([[StreamingState(st.named_parameters(), d.fragments, d.outer_lr, d.outer_momentum)
+                            for st in stages] for stages in self.replicas] if d.kind == "streaming-diloco" else None)
+        # Posted fragment syncs: (apply step, fragment, stage, deltas per replica, InFlight)
+        self.in_flight: list[tuple[int, int, int, list[dict], InFlight]] = []
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
         self.optimizers = [[self._optimizer(st, s) for s, st in enumerate(stages)] for stages in self.replicas]
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
@@ -149,7 +154,27 @@ class SimMesh:
                 self.last_grad_norm = total_norm
         if self.diloco is not None and (self.step_index + 1) % self.cfg.dp.inner_steps == 0:
             self.diloco_outer_step()
+        if self.streaming is not None:
+            self.streaming_step()
         self.step_index += 1
+
+    def streaming_step(self) -> None:
+        """Post the fragments whose sync starts now; apply those posted ``overlap`` steps ago."""
+        m, d, t = self.cfg.mesh, self.cfg.dp, self.step_index
+        for f in sync_start_steps(t, d.inner_steps, d.fragments):
+            for s in range(m.pp):
+                deltas = [fragment_deltas(self.streaming[r][s], f, self.replicas[r][s].named_parameters())
+                          for r in range(m.dp)]
+                self.in_flight.append((t + d.overlap, f, s, deltas, self._post_fragment(f, s, deltas)))
+        due = [x for x in self.in_flight if x[0] <= t]
+        self.in_flight = [x for x in self.in_flight if x[0] > t]
+        for *_, flight in due:
+            flight.finish()
+
+    def _post_fragment(self, f: int, s: int, deltas: list[dict]) -> InFlight:
+        m, d = self.cfg.mesh, self.cfg.dp
+        return InFlight(fragment_sync(self.streaming[r][s], f, deltas[r], self.replicas[r][s].named_parameters(),
+                                      self.groups[s], r, m.dp, d.alpha, d.quantize) for r in range(m.dp))
 
     def diloco_outer_step(self) -> None:
         m = self.cfg.mesh
@@ -200,6 +225,9 @@ class SimMesh:
                 "bytes": self.meter.snapshot(), "priors_consumed": self.priors_consumed,
                 "psgd": [[st.state_dict() for st in row] for row in self.psgd] if self.psgd else None,
                 "diloco": [[st.state_dict() for st in row] for row in self.diloco] if self.diloco else None,
+                "streaming": [[st.state_dict() for st in row] for row in self.streaming] if self.streaming else None,
+                # a posted sync is saved as its inputs (the collective is re-posted on load)
+                "in_flight": [(due, f, s, deltas) for due, f, s, deltas, _ in self.in_flight],
                 "anchor": self.anchor.state_dict() if self.anchor is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,9 +240,14 @@ class SimMesh:
                 o.load_state_dict(sd)
         self.meter.totals.update(state["bytes"])
         self.priors_consumed = state["priors_consumed"]
-        for rows, saved in ((self.psgd, state.get("psgd")), (self.diloco, state.get("diloco"))):
+        for rows, saved in ((self.psgd, state.get("psgd")), (self.diloco, state.get("diloco")),
+                            (self.streaming, state.get("streaming"))):
             for row, srow in zip(rows or [], saved or []):
                 for st, sd in zip(row, srow):
                     st.load_state_dict(sd)
         if self.anchor is not None:
             self.anchor.load_state_dict(state["anchor"])
+        before = self.meter.snapshot()  # re-posting must not count the bytes twice
+        self.in_flight = [(due, f, s, deltas, self._post_fragment(f, s, deltas))
+                          for due, f, s, deltas in state.get("in_flight", [])]
+        self.meter.totals.update(before)

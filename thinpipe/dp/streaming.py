@@ -1,0 +1,116 @@
+"""Streaming DiLoCo (Douillard et al. 2025; dp-algorithms.md): DiLoCo with fragments, overlap and mixing.
+
+- **Fragments**: a stage's parameters are split into F fragments strided over layers (layer k goes
+  to fragment k mod F; parameters outside the decoder layers go to fragment 0). Fragment f has its
+  outer step every H inner steps, staggered by f H / F steps, so ~1/F of the weights move at a time.
+- **Overlap**: a fragment's pseudo-gradient is taken and its all-reduce posted at step t_s; the
+  replicas keep training, and the result is applied at t_s + tau (``dp.overlap``).
+- **Mixing**: on arrival, local <- alpha local + (1 - alpha) global_new (``dp.alpha``; alpha = 0
+  discards the tau local steps, alpha = 1 keeps the local weights and only moves the global copy).
+- **Quantised outer gradients** (``dp.quantize``): int8 with one fp32 scale per row, exchanged by
+  all-gather (a sum cannot be taken in int8) and averaged after dequantisation.
+
+The outer step itself is ``diloco``'s: Nesterov SGD on the averaged pseudo-gradient, global copy
+kept per replica (identical across replicas).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Generator
+
+import torch
+
+from thinpipe.dp.allreduce import allreduce_average
+from thinpipe.dp.diloco import DiLoCoState, pseudo_gradient
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+_DONE = _Done()
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def fragment_of(name: str, fragments: int) -> int:
+    m = _LAYER.search(name)
+    return int(m.group(1)) % fragments if m else 0
+
+
+def sync_start_steps(step: int, inner_steps: int, fragments: int) -> list[int]:
+    """Fragments whose outer sync starts after inner step ``step`` (0-based): fragment f at steps
+    with (step + 1 + f H / F) % H == 0."""
+    offset = inner_steps / fragments
+    return [f for f in range(fragments) if (step + 1 + round(f * offset)) % inner_steps == 0]
+
+
+def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and fp32 per-row scales (rows = first dim; vectors are one row)."""
+    rows = t.reshape(t.shape[0], -1) if t.ndim > 1 else t.reshape(1, -1)
+    scale = rows.abs().amax(dim=1, keepdim=True).clamp(min=1e-30) / 127.0
+    q = torch.round(rows / scale).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.float32)
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor:
+    return (q.to(torch.float32) * scale).reshape(shape)
+
+
+def quantized_average(tensors: dict[str, torch.Tensor], group, rank: int, world: int) -> Generator:
+    """Average by all-gathering int8 values + row scales; every member dequantises all and averages
+    in rank order, so all hold the same result."""
+    packed = {n: quantize_rows(t) for n, t in tensors.items()}
+    qs = torch.cat([q.reshape(-1) for q, _ in packed.values()])
+    ss = torch.cat([s.reshape(-1) for _, s in packed.values()])
+    # One message: the int8 values followed by the fp32 scales' bytes.
+    work, gathered = group.all_gather(rank, torch.cat([qs, ss.view(torch.int8)]))
+    yield work
+    for t in tensors.values():
+        t.zero_()
+    for msg in gathered:
+        all_q, all_s = msg[:qs.numel()], msg[qs.numel():].view(torch.float32)
+        qo = so = 0
+        for n, t in tensors.items():
+            q, s = packed[n]
+            t += dequantize_rows(all_q[qo:qo + q.numel()].view_as(q), all_s[so:so + s.numel()].view_as(s), t.shape)
+            qo, so = qo + q.numel(), so + s.numel()
+    for t in tensors.values():
+        t /= world
+
+
+class StreamingState(DiLoCoState):
+    def __init__(self, named_params, fragments: int, outer_lr: float = 0.7, momentum: float = 0.9):
+        named_params = list(named_params)
+        super().__init__(named_params, outer_lr, momentum)
+        self.fragments = fragments
+        self.members = {f: [n for n, _ in named_params if fragment_of(n, fragments) == f] for f in range(fragments)}
+
+
+def fragment_deltas(state: StreamingState, fragment: int, named_local) -> dict[str, torch.Tensor]:
+    """The fragment's pseudo-gradients global - local, taken when its sync starts."""
+    local = dict(named_local)
+    return {n: pseudo_gradient(state.global_params[n], local[n]) for n in state.members[fragment]}
+
+
+def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.Tensor], named_local, group,
+                  rank: int, world: int, alpha: float, quantize: bool = False) -> Generator:
+    """Average ``deltas`` (the first yield is the posted collective); when resumed, possibly tau
+    inner steps later, apply the fragment's outer step and mix the (by then newer) local weights."""
+    local = dict(named_local)
+    names = state.members[fragment]
+    posted = False
+    for work in (quantized_average if quantize else allreduce_average)(deltas, group, rank, world):
+        posted = True
+        yield work
+    if not posted:  # a group of one: still a point where the caller can defer the outer step
+        yield _DONE
+    for n in names:
+        state.global_params[n].grad = deltas[n]
+    # Only this fragment's parameters have a grad, so the outer SGD moves (and keeps momentum for) them alone.
+    state.outer.step()
+    for n in names:
+        state.global_params[n].grad = None
+    with torch.no_grad():
+        for n in names:
+            local[n].mul_(alpha).add_(state.global_params[n].to(local[n].device), alpha=1.0 - alpha)
