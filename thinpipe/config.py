@@ -179,8 +179,9 @@ class DPConfig:
     ``allreduce`` (exact gradient average every step), ``powersgd`` (low-rank gradient average
     every step) or ``diloco`` (H inner steps, then an outer Nesterov step on the averaged
     pseudo-gradient, PowerSGD-compressed when ``dp.rank`` > 0)."""
-    rank: int = 4
-    """PowerSGD rank (for ``powersgd``; for ``diloco``, 0 = uncompressed outer average)."""
+    rank: int = 0
+    """PowerSGD rank: for ``powersgd`` the gradient's (0 means 4); for ``diloco`` and
+    ``streaming-diloco`` the outer pseudo-gradient's (0 = uncompressed outer average)."""
     start_step: int = 10
     """PowerSGD averages uncompressed before this many averages (PyTorch's start_powerSGD_iter)."""
     inner_steps: int = 10
@@ -201,8 +202,10 @@ class DPConfig:
     def validate(self) -> None:
         if self.kind not in DP_KINDS:
             raise ConfigError(f"dp.kind = {self.kind!r} is unknown: choose one of {', '.join(DP_KINDS)}")
-        if self.rank < 0 or (self.kind == "powersgd" and self.rank < 1):
-            raise ConfigError(f"dp.rank must be >= 1 for powersgd (>= 0 for diloco), got {self.rank}")
+        if self.rank < 0:
+            raise ConfigError(f"dp.rank must be >= 0, got {self.rank}")
+        if self.quantize and self.rank:
+            raise ConfigError("dp.quantize and dp.rank > 0 are two outer-gradient compressors: choose one")
         if self.start_step < 0:
             raise ConfigError(f"dp.start_step must be >= 0, got {self.start_step}")
         if self.inner_steps < 1:

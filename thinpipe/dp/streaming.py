@@ -23,6 +23,7 @@ import torch
 
 from thinpipe.dp.allreduce import allreduce_average
 from thinpipe.dp.diloco import DiLoCoState, pseudo_gradient
+from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
 
 class _Done:
     def wait(self) -> None:
@@ -94,13 +95,20 @@ def fragment_deltas(state: StreamingState, fragment: int, named_local) -> dict[s
 
 
 def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.Tensor], named_local, group,
-                  rank: int, world: int, alpha: float, quantize: bool = False) -> Generator:
+                  rank: int, world: int, alpha: float, quantize: bool = False,
+                  compressor: PowerSGDState | None = None) -> Generator:
     """Average ``deltas`` (the first yield is the posted collective); when resumed, possibly tau
     inner steps later, apply the fragment's outer step and mix the (by then newer) local weights."""
     local = dict(named_local)
     names = state.members[fragment]
     posted = False
-    for work in (quantized_average if quantize else allreduce_average)(deltas, group, rank, world):
+    if compressor is not None:
+        averaging = powersgd_average(compressor, deltas, group, rank, world)
+    elif quantize:
+        averaging = quantized_average(deltas, group, rank, world)
+    else:
+        averaging = allreduce_average(deltas, group, rank, world)
+    for work in averaging:
         posted = True
         yield work
     if not posted:  # a group of one: still a point where the caller can defer the outer step

@@ -54,8 +54,8 @@ class SimMesh:
                          for s, st in enumerate(stages)] for r, stages in enumerate(self.replicas)]
         self.groups = [InProcessGroup(m.dp, self.meter, "dp") for _ in range(m.pp)]  # one DP group per stage
         d = cfg.dp
-        compress = d.kind == "powersgd" or (d.kind == "diloco" and d.rank > 0)
-        self.psgd = [[PowerSGDState(rank=d.rank, start_step=d.start_step if d.kind == "powersgd" else 0,
+        compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
+        self.psgd = [[PowerSGDState(rank=d.rank or 4, start_step=d.start_step if d.kind == "powersgd" else 0,
                                     seed=t.seed * 7 + s) for s in range(m.pp)] for _ in range(m.dp)] if compress else None
         self.diloco = ([[DiLoCoState(st.named_parameters(), d.outer_lr, d.outer_momentum) for st in stages]
                         for stages in self.replicas] if d.kind == "diloco" else None)
@@ -174,7 +174,8 @@ class SimMesh:
     def _post_fragment(self, f: int, s: int, deltas: list[dict]) -> InFlight:
         m, d = self.cfg.mesh, self.cfg.dp
         return InFlight(fragment_sync(self.streaming[r][s], f, deltas[r], self.replicas[r][s].named_parameters(),
-                                      self.groups[s], r, m.dp, d.alpha, d.quantize) for r in range(m.dp))
+                                      self.groups[s], r, m.dp, d.alpha, d.quantize,
+                                      self.psgd[r][s] if self.psgd else None) for r in range(m.dp))
 
     def diloco_outer_step(self) -> None:
         m = self.cfg.mesh
