@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from thinpipe.cli import main
+from tests.helpers import tiny_model
 
 TINY = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.seq_len=32",
         "--set", "train.batch_size=2", "--set", "train.lr=1e-3", "--set", "data.val_rows=4"]
@@ -34,7 +35,7 @@ def test_train_end_to_end_writes_all_outputs(tmp_path):
     k = round(0.5 * 64)
     assert s["pp_fwd_bytes"] == 6 * 2 * 32 * k * 4  # steps x rows x tokens x K x fp32, one boundary
     assert s["bytes_per_token"]["pp_fwd"] == k * 4
-    assert s["trainable_params"] == sum(p.numel() for p in __import__("tests.helpers", fromlist=["x"]).tiny_model().parameters())
+    assert s["trainable_params"] == sum(p.numel() for p in tiny_model().parameters())
 
 
 def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch):

@@ -26,6 +26,8 @@ import zlib
 
 import torch
 
+from thinpipe.dp.allreduce import allreduce_average
+
 
 def orthonormalize(P: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Orthonormal columns by modified Gram-Schmidt, in place (as PyTorch's hook for small ranks).
@@ -98,13 +100,7 @@ def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], gro
             continue
         mats.append((name, matrix, r))
     if dense:
-        flat = torch.cat([t.reshape(-1) for t in dense])
-        yield group.all_reduce(rank, flat)
-        flat /= world
-        offset = 0
-        for t in dense:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        yield from allreduce_average({str(i): t for i, t in enumerate(dense)}, group, rank, world)
     if mats:
         for name, M, r in mats:
             if name in state.error:
