@@ -76,3 +76,12 @@ def test_training_trajectory_split_equals_unsplit(schedule):
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+
+
+def test_explicit_uneven_split_equals_unsplit():
+    model = tiny_model("llama")
+    batch = tiny_batch(batch_size=2)
+    ref = SimMesh(model, config(model__name="tiny-llama", train__batch_size=2))
+    split = SimMesh(model, config(model__name="tiny-llama", mesh__pp=2, mesh__split=[1, 3], train__batch_size=2))
+    assert [len(st.layers) for st in split.replicas[0]] == [1, 3]
+    assert ref.forward_backward([batch]) == split.forward_backward([batch])
