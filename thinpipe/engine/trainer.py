@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from thinpipe.comm import AXES
 from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.engine.sim import SimMesh
 
-METRIC_AXES = ("pp_fwd", "pp_bwd", "dp", "anchor", "tied")
+METRIC_AXES = AXES  # every metered axis, as the meter defines them
 
 
 def build_data(cfg: Config, tokenizer):
