@@ -96,9 +96,11 @@ def main() -> None:
         results = {a: r for a in arms if (r := load_arm(arm_dir(out, a))) is not None}
         if not results:
             continue
-        if suite != "main" and dense is not None:
+        # Each suite is compared with the Dense run of its own domain.
+        ref = results.get("med Dense") if suite == "medical" else dense
+        if suite not in ("main", "medical") and dense is not None:
             results = {"Dense": dense, **results}
-        md += [f"### {suite}", "", table(results, dense), ""]
+        md += [f"### {suite}", "", table(results, ref), ""]
         plot_suite(suite, results, out / f"{suite}.png")
         report[suite] = {a: {k: v for k, v in s.items() if k != "metrics"} for a, s in results.items()}
     (out / "report.md").write_text("\n".join(md))
