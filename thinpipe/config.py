@@ -81,14 +81,17 @@ class MeshConfig:
                 raise ConfigError(f"mesh.split entries must be >= 1 layer each, got {self.split}")
 
 
-BOUNDARY_KINDS = ("identity", "mask", "topk")
+BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq")
+ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq")  # part of the model: training and evaluation run through them
 
 
 @dataclass(kw_only=True, slots=True)
 class BoundaryConfig:
     kind: str = "identity"
-    """PP boundary compressor: ``identity`` (dense), ``mask`` (PRF random activation masking, §3.1)
-    or ``topk`` (the K largest-magnitude dims per token, indices sent; App. F's biased baseline)."""
+    """PP boundary compressor: ``identity`` (dense), ``mask`` (PRF random activation masking, §3.1),
+    ``topk`` (the K largest-magnitude dims per token, indices sent; App. F's biased baseline),
+    ``ssn`` (Subspace Networks: fixed shared basis, confined weights; MAPL App. A), ``mapl`` (learned
+    Stiefel projector + stage anchors; MAPL §3.2) or ``mapl-vq`` (MAPL + residual VQ; §3.5)."""
     p: float = 0.95
     """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
@@ -99,6 +102,37 @@ class BoundaryConfig:
     """Variant (not in the paper): ramp the mask ratio linearly from 0 to p over this many steps."""
     dtype: str = "auto"
     """Wire dtype of activations and their gradients: ``auto`` (the training dtype), ``float32``, ``bfloat16``."""
+    rank: int = 64
+    """Projection rank r for ``ssn``, ``mapl`` and ``mapl-vq``: r values per token cross the wire."""
+    projector_optim: str = "spel"
+    """How MAPL projectors learn (MAPL Table 5): ``spel`` (Stiefel steepest descent, §3.3),
+    ``muon`` (unconstrained, leaves the manifold) or ``fixed`` (a frozen random orthonormal A)."""
+    projector_lr_scale: float = 0.1
+    """Projector learning rate as a multiple of train.lr (MAPL App. E.4: 0.1)."""
+    projector_beta: float = 0.9
+    """SPEL heavy-ball momentum beta (eq. 5; the paper does not state it)."""
+    anchor: str = "factorized"
+    """MAPL per-stage anchor (Table 6): ``factorized`` (E_small P), ``full`` (a V x d table per
+    stage), ``static`` (the frozen token embedding) or ``none``."""
+    init: str = "random"
+    """MAPL projector start: ``random`` (seeded orthonormal, the paper) or ``pca`` (the top-r principal
+    directions of the boundary activations on a few training batches; for adapting pretrained models)."""
+    pca_batches: int = 4
+    """Training batches the ``pca`` start looks at."""
+    vq_codes: int = 256
+    """``mapl-vq``: codes K per codebook (Table 8: 256)."""
+    vq_rounds: int = 2
+    """``mapl-vq``: residual rounds R (Table 8: 2)."""
+    vq_group_size: int = 2
+    """``mapl-vq``: dims per quantised group g (Table 8: G = 2); rank must be a multiple."""
+    vq_sync_codes: int = 1
+    """``mapl-vq``: codebook slots streamed per microbatch and direction (§3.5: 1/K of the codebook)."""
+    vq_decay: float = 0.95
+    """``mapl-vq``: EMA decay of the k-means codebook updates."""
+    ssn_refresh_every: int = 500
+    """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
+    ssn_refresh_lr: float = 0.01
+    """``ssn``: Grassmann step size (Table 8: 1e-2)."""
 
     def validate(self) -> None:
         if self.kind not in BOUNDARY_KINDS:
@@ -111,6 +145,29 @@ class BoundaryConfig:
             raise ConfigError(f"boundary.masked holds boundary indices >= 0, got {self.masked}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"boundary.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.rank < 1:
+            raise ConfigError(f"boundary.rank must be >= 1, got {self.rank}")
+        if self.projector_optim not in ("spel", "muon", "fixed"):
+            raise ConfigError(f"boundary.projector_optim must be spel, muon or fixed, got {self.projector_optim!r}")
+        if self.projector_lr_scale < 0 or not 0 <= self.projector_beta < 1:
+            raise ConfigError("boundary.projector_lr_scale must be >= 0 and boundary.projector_beta in [0, 1), got "
+                              f"{self.projector_lr_scale} and {self.projector_beta}")
+        if self.anchor not in ("factorized", "full", "static", "none"):
+            raise ConfigError(f"boundary.anchor must be factorized, full, static or none, got {self.anchor!r}")
+        if self.init not in ("random", "pca"):
+            raise ConfigError(f"boundary.init must be random or pca, got {self.init!r}")
+        if self.pca_batches < 1:
+            raise ConfigError(f"boundary.pca_batches must be >= 1, got {self.pca_batches}")
+        if self.kind == "mapl-vq":
+            if self.rank % self.vq_group_size:
+                raise ConfigError(f"boundary.rank = {self.rank} must be a multiple of boundary.vq_group_size = "
+                                  f"{self.vq_group_size}")
+            if not 2 <= self.vq_codes or self.vq_rounds < 1 or not 1 <= self.vq_sync_codes <= self.vq_codes:
+                raise ConfigError("boundary.vq_codes must be >= 2, vq_rounds >= 1 and 1 <= vq_sync_codes <= vq_codes")
+            if not 0 <= self.vq_decay < 1:
+                raise ConfigError(f"boundary.vq_decay must be in [0, 1), got {self.vq_decay}")
+        if self.ssn_refresh_every < 0 or self.ssn_refresh_lr < 0:
+            raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,6 +202,9 @@ class TrainConfig:
     """Parameter and activation dtype: ``float32`` or ``bfloat16``."""
     checkpoint_every: int = 50
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
+    optimizer: str = "adamw"
+    """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
+    weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
 
     def validate(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "microbatches"):
@@ -167,6 +227,8 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be float32 or bfloat16, got {self.dtype!r}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"train.optimizer must be adamw or muon, got {self.optimizer!r}")
 
 
 DP_KINDS = ("allreduce", "powersgd", "diloco", "streaming-diloco")
@@ -275,12 +337,30 @@ class SpectralConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class MuonConfig:
+    momentum: float = 0.95
+    """Muon momentum (MAPL Table 7: 0.95), Nesterov."""
+    adam_lr_scale: float = 0.5
+    """AdamW learning rate of the non-matrix parameters as a multiple of train.lr (MAPL Table 8: 0.5)."""
+    ns_steps: int = 5
+    """Polar Express iterations per update."""
+
+    def validate(self) -> None:
+        if not 0 <= self.momentum < 1 or self.adam_lr_scale <= 0 or self.ns_steps < 1:
+            raise ConfigError("optim.muon needs 0 <= momentum < 1, adam_lr_scale > 0 and ns_steps >= 1, got "
+                              f"{self.momentum}, {self.adam_lr_scale}, {self.ns_steps}")
+
+
+@dataclass(kw_only=True, slots=True)
 class OptimConfig:
     spectral: SpectralConfig = field(default_factory=SpectralConfig)
-    """Spectral correction around the inner AdamW; active when mesh.anchor = 1."""
+    """Spectral correction around the inner optimizer; active when mesh.anchor = 1."""
+    muon: MuonConfig = field(default_factory=MuonConfig)
+    """Muon settings, used when train.optimizer = muon."""
 
     def validate(self) -> None:
         self.spectral.validate()
+        self.muon.validate()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -326,6 +406,16 @@ class Config:
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        if self.boundary.kind in ARCHITECTURAL_KINDS:
+            if self.boundary.masked:
+                raise ConfigError(f"boundary.kind = {self.boundary.kind} applies to every boundary (its stage "
+                                  "anchors chain through them): leave boundary.masked empty")
+            if self.mesh.anchor:
+                raise ConfigError(f"mesh.anchor = 1 runs dense passes of the model, but boundary.kind = "
+                                  f"{self.boundary.kind} is part of the model: use mask/topk with the anchor circuit")
+            if self.diag.every:
+                raise ConfigError(f"diag.every compares with the unmasked gradient, which boundary.kind = "
+                                  f"{self.boundary.kind} (part of the model) does not have: set diag.every = 0")
         if self.boundary.masked and max(self.boundary.masked) >= self.mesh.pp - 1:
             raise ConfigError(
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "

@@ -41,6 +41,7 @@ class Boundary(nn.Module):
     """Base class: the dense (identity) boundary. Subclasses override what they compress."""
 
     kind = "identity"
+    architectural = False  # True: part of the model (evaluation runs through it); False: a wire codec
 
     def __init__(self, index: int, hidden_size: int, wire_dtype: torch.dtype | None = None):
         super().__init__()
@@ -67,7 +68,29 @@ class Boundary(nn.Module):
     def encode_grad(self, g: torch.Tensor, ctx) -> Payload:
         return Payload({"g": self._to_wire(g)})
 
+    # boundary parameters (DESIGN.md property 3): none here -------------------------------------
+    def attach(self, sender, receiver) -> None:
+        """Register the boundary's owned modules on the stages that own them."""
+
+    def receiver_param_grads(self) -> Payload | None:
+        """Receiver -> owner after the backward: gradient contributions to shared parameters."""
+        return None
+
+    def owner_absorb_grads(self, payload: Payload) -> None:
+        raise NotImplementedError
+
+    def owner_params(self) -> Payload | None:
+        """Owner -> receiver after the optimizer step: the new shared parameters."""
+        return None
+
+    def receiver_load_params(self, payload: Payload) -> None:
+        raise NotImplementedError
+
     # accounting ---------------------------------------------------------------------------------
+    def expected_param_bytes(self) -> int:
+        """Parameter-sync bytes per optimizer step."""
+        return 0
+
     def expected_bytes(self, tokens: int, element_size: int) -> tuple[int, int]:
         """(forward, backward) payload bytes for ``tokens`` tokens: the formula tests check against."""
         n = tokens * self.hidden_size * element_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AXES = ("pp_fwd", "pp_bwd", "dp", "anchor", "tied")
+AXES = ("pp_fwd", "pp_bwd", "pp_params", "dp", "anchor", "tied")
 
 
 @dataclass

@@ -15,6 +15,8 @@ import torch
 
 from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import build_boundaries
+from thinpipe.boundary.link import receiver_forward, sender_forward
+from thinpipe.boundary.ssn import confine
 from thinpipe.comm import ByteMeter, InFlight, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
 from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
@@ -25,7 +27,8 @@ from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.worker import StageWorker
 from thinpipe.models.stages import Stage, build_stages, tied_pair
 from thinpipe.optim import clip_coefficient, cosine_with_warmup, tensor_norms
-from thinpipe.optim.spectral import SpectralCorrection
+from thinpipe.optim.build import build_stage_optimizer
+from thinpipe.optim.stiefel import grassmann_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -45,13 +48,23 @@ class SimMesh:
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
         hidden = model.config.hidden_size
-        # One boundary object per link, shared by its two ends: in simulation both ends are this
-        # process; a boundary has no trainable state here (stateful kinds keep one copy per side).
-        self.boundaries = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire)
+        # One boundary object per link and replica, holding both ends (in simulation both ends are
+        # this process). Learned kinds register their parameters on the stage that owns them; the
+        # other end computes with a copy that is synced over the wire (``sync_boundary_*``).
         self.replicas: list[list[Stage]] = [build_stages(model, m.split or None, m.pp) for _ in range(m.dp)]
-        self.workers = [[StageWorker(st, r, self.boundaries[s - 1] if s else None,
-                                     self.boundaries[s] if s < m.pp - 1 else None, self.mailbox, self.compute_dtype)
-                         for s, st in enumerate(stages)] for r, stages in enumerate(self.replicas)]
+        self.replica_boundaries = [build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire, model)
+                                   for _ in range(m.dp)]
+        for stages, bounds in zip(self.replicas, self.replica_boundaries):
+            for b in bounds:
+                b.attach(stages[b.index], stages[b.index + 1])
+        self.boundaries = self.replica_boundaries[0]
+        self.ssn = cfg.boundary.kind == "ssn" and m.pp > 1
+        if self.ssn:
+            self.confine_all()
+        self.workers = [[StageWorker(st, r, bounds[s - 1] if s else None, bounds[s] if s < m.pp - 1 else None,
+                                     self.mailbox, self.compute_dtype)
+                         for s, st in enumerate(stages)]
+                        for r, (stages, bounds) in enumerate(zip(self.replicas, self.replica_boundaries))]
         self.groups = [InProcessGroup(m.dp, self.meter, "dp") for _ in range(m.pp)]  # one DP group per stage
         d = cfg.dp
         compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
@@ -74,16 +87,50 @@ class SimMesh:
         self.last_grad_norm = 0.0
 
     def _optimizer(self, stage: Stage, index: int):
-        t = self.cfg.train
-        inner = torch.optim.AdamW(stage.parameters(), lr=t.lr, betas=(t.beta1, t.beta2),
-                                  weight_decay=t.weight_decay, fused=True)
-        if not self.cfg.mesh.anchor:
-            return inner
-        sp = self.cfg.optim.spectral
-        # Same seed on every replica of a stage: identical bases keep DP replicas identical.
-        return SpectralCorrection(stage.named_parameters(), inner, tau=sp.tau, alpha=sp.alpha, beta=sp.beta,
-                                  rank=sp.rank, relative_tau=sp.relative_tau, bias_correction=sp.bias_correction,
-                                  seed=t.seed * 131 + index)
+        return build_stage_optimizer(stage, self.cfg, index)
+
+    # boundary parameters ------------------------------------------------------------------------
+    def sync_boundary_grads(self) -> None:
+        """Receivers return their gradient contributions to shared boundary parameters (MAPL's A_p)
+        to the owners, before DP sync and clipping see the gradients."""
+        for r, bounds in enumerate(self.replica_boundaries):
+            for b in bounds:
+                payload = b.receiver_param_grads()
+                if payload is not None:
+                    self.mailbox.send((r, "dparams", b.index), payload, "pp_params")
+                    b.owner_absorb_grads(self.mailbox.recv((r, "dparams", b.index)))
+
+    def sync_boundary_params(self) -> None:
+        """Owners send the updated shared boundary parameters to the other end."""
+        for r, bounds in enumerate(self.replica_boundaries):
+            for b in bounds:
+                payload = b.owner_params()
+                if payload is not None:
+                    self.mailbox.send((r, "params", b.index), payload, "pp_params")
+                    b.receiver_load_params(self.mailbox.recv((r, "params", b.index)))
+
+    def confine_all(self) -> None:
+        for stages, bounds in zip(self.replicas, self.replica_boundaries):
+            confine(stages, bounds[0].basis.U, bounds[0].token_fixed)
+
+    def ssn_refresh_due(self) -> bool:
+        every = self.cfg.boundary.ssn_refresh_every
+        return self.ssn and every > 0 and (self.step_index + 1) % every == 0
+
+    def ssn_refresh(self) -> None:
+        """Grassmann step of the shared basis on this step's dL/dU (DP-averaged), then re-confine."""
+        m, b = self.cfg.mesh, self.cfg.boundary
+        bases = [bounds[0].basis for bounds in self.replica_boundaries]
+        grads = [{"U": basis.U.grad if basis.U.grad is not None else torch.zeros_like(basis.U)} for basis in bases]
+        if m.dp > 1:
+            drive_lockstep(allreduce_average(g, self.groups[0], r, m.dp) for r, g in enumerate(grads))
+        for basis, g in zip(bases, grads):
+            with torch.no_grad():
+                basis.U = grassmann_step(basis.U.detach(), g["U"], b.ssn_refresh_lr)
+        # every other stage sends its contribution up and receives the new basis (d x k fp32 each)
+        U = bases[0].U
+        self.meter.add("pp_params", 2 * (m.pp - 1) * U.numel() * 4)
+        self.confine_all()
 
     # ------------------------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -147,7 +194,7 @@ class SimMesh:
                     if self.cfg.anchor.mix:
                         self._mix_anchor(st, prior.grads[s])
                 for g in opt.param_groups:
-                    g["lr"] = lr
+                    g["lr"] = lr * g.get("lr_scale", 1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
             if r == 0:
@@ -197,13 +244,24 @@ class SimMesh:
             self.anchor.run_cycle(self.step_index, self.replicas[0], anchor_batch, self.cfg.mesh.dp)
 
     def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
+        refresh = self.ssn_refresh_due()
+        if refresh:
+            for bounds in self.replica_boundaries:
+                bounds[0].basis.U.requires_grad_(True)
         loss = self.forward_backward(batches)
+        self.sync_boundary_grads()
         every = self.cfg.diag.every
         self.last_diagnostics = (gradient_diagnostics(self, batches[0])
                                  if every and self.step_index % every == 0 else None)
         self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
         self.sync_gradients()
         self.optimizer_step()
+        self.sync_boundary_params()
+        if self.ssn:
+            if refresh:
+                self.ssn_refresh()
+            else:
+                self.confine_all()
         return loss
 
     # ------------------------------------------------------------------------------------------
@@ -214,7 +272,11 @@ class SimMesh:
         n = int((batch["labels"][:, 1:] != -100).sum())
         ctx.loss_scale = 1.0
         x = ctx.input_ids
-        for st in self.replicas[replica]:
+        for s, st in enumerate(self.replicas[replica]):
+            if s and self.boundaries[s - 1].architectural:  # part of the model: evaluate through it
+                b = self.replica_boundaries[replica][s - 1]
+                _, payload = sender_forward(b, x, ctx)
+                _, x = receiver_forward(b, payload, ctx, torch.float32)
             with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
                 x = st(x, ctx)
         return float(x), n
@@ -229,7 +291,9 @@ class SimMesh:
                 "streaming": [[st.state_dict() for st in row] for row in self.streaming] if self.streaming else None,
                 # a posted sync is saved as its inputs (the collective is re-posted on load)
                 "in_flight": [(due, f, s, deltas) for due, f, s, deltas, _ in self.in_flight],
-                "anchor": self.anchor.state_dict() if self.anchor is not None else None}
+                "anchor": self.anchor.state_dict() if self.anchor is not None else None,
+                # boundary state beyond the stages' parameters (codebooks, the SSN basis, copies)
+                "boundaries": [[b.state_dict() for b in bounds] for bounds in self.replica_boundaries]}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_index = state["step"]
@@ -248,6 +312,12 @@ class SimMesh:
                     st.load_state_dict(sd)
         if self.anchor is not None:
             self.anchor.load_state_dict(state["anchor"])
+        for bounds, saved in zip(self.replica_boundaries, state.get("boundaries") or []):
+            for b, sd in zip(bounds, saved):
+                b.load_state_dict(sd)
+                payload = b.owner_params()       # the receiver's copy equals the restored owner's
+                if payload is not None:
+                    b.receiver_load_params(payload)
         before = self.meter.snapshot()  # re-posting must not count the bytes twice
         self.in_flight = [(due, f, s, deltas, self._post_fragment(f, s, deltas))
                           for due, f, s, deltas in state.get("in_flight", [])]

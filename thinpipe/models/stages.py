@@ -48,6 +48,9 @@ class Stage(nn.Module):
         self.rotary_emb = rotary
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
+        # Parameters of the boundaries this stage owns (a MAPL projector, a stage anchor, the SSN
+        # basis): they train, sync and checkpoint with the stage but are not part of the HF model.
+        self.boundary_modules = nn.ModuleDict()
 
     @property
     def is_first(self) -> bool:
@@ -76,7 +79,7 @@ class Stage(nn.Module):
         """This stage's parameters under their names in the original Hugging Face model."""
         out = {}
         for name, t in self.state_dict().items():
-            if name.startswith("rotary_emb."):
+            if name.startswith(("rotary_emb.", "boundary_modules.")):
                 continue
             out[name if name.startswith("lm_head.") else f"model.{name}"] = t
         return out
