@@ -84,6 +84,7 @@ def confine(stages, U: torch.Tensor, token_fixed: torch.Tensor) -> None:
             E.copy_(token_fixed + (E - token_fixed) @ P)
 
 
+@torch.no_grad()
 def confinement_error(stages, U: torch.Tensor, token_fixed: torch.Tensor) -> float:
     """Largest relative norm of a confined weight's part outside span(U) (0 when confined)."""
     P = U @ U.T

@@ -1,0 +1,115 @@
+"""MAPL boundaries in the mesh (MAPL §3.2-3.3): equivalences, ownership sync, bytes, manifold."""
+
+import pytest
+import torch
+
+from thinpipe.engine.sim import SimMesh
+from thinpipe.optim.stiefel import stiefel_error
+from tests.helpers import config, tiny_batch, tiny_model
+
+H, V = 64, 512
+
+
+def mapl_cfg(**kw):
+    base = dict(model__name="tiny-llama", mesh__pp=4, boundary__kind="mapl", boundary__rank=16,
+                train__batch_size=2, train__seq_len=16, train__microbatches=2, train__lr=1e-3)
+    return config(**{**base, **kw})
+
+
+def test_full_rank_static_anchor_is_the_dense_model():
+    """r = d makes A A^T = I, and static anchors re-add exactly what the sender removed: the MAPL
+    mesh computes the dense model's loss."""
+    model = tiny_model()
+    batch = tiny_batch()
+    dense = SimMesh(model, config(model__name="tiny-llama", mesh__pp=4))
+    full = SimMesh(model, mapl_cfg(boundary__rank=H, boundary__anchor="static"))
+    a, n = dense.eval_loss(batch)
+    b, m = full.eval_loss(batch)
+    assert n == m and abs(a - b) < 1e-4 * abs(a)
+
+
+def reference_loss(mesh, batch):
+    """The MAPL model computed in one graph, with one shared A per boundary (no copies, no wire)."""
+    from thinpipe.engine.context import make_contexts
+    stages, bounds = mesh.replicas[0], mesh.boundaries
+    ctx = make_contexts(batch, 1, 0, 0)[0]
+    x = ctx.input_ids
+    for s, st in enumerate(stages):
+        if s:
+            b = bounds[s - 1]
+            off = b.sender_offset(ctx.input_ids)
+            z = (x - off) @ b.projector.A
+            x = z @ b.projector.A.T + b.anchor(ctx.input_ids)
+        x = st(x, ctx)
+    return x
+
+
+def test_split_mesh_equals_one_graph_and_owner_gets_both_halves_of_the_gradient():
+    torch.manual_seed(0)
+    model = tiny_model()
+    batch = tiny_batch(batch_size=2)
+    mesh = SimMesh(model, mapl_cfg(train__microbatches=1))
+    ref = SimMesh(model, mapl_cfg(train__microbatches=1))
+    loss = mesh.forward_backward([batch])
+    mesh.sync_boundary_grads()
+    ref_loss = reference_loss(ref, batch)
+    ref_loss.backward()
+    assert abs(loss - float(ref_loss.detach())) < 1e-5
+    for b, rb in zip(mesh.boundaries, ref.boundaries):
+        assert torch.allclose(b.projector.A.grad, rb.projector.A.grad, atol=1e-6)
+        assert torch.allclose(b.anchor.small.grad, rb.anchor.small.grad, atol=1e-6)
+
+
+def test_payload_and_projector_sync_bytes_equal_the_formula():
+    model = tiny_model()
+    cfg = mapl_cfg()
+    mesh = SimMesh(model, cfg)
+    mesh.train_step([tiny_batch(batch_size=2)])
+    tokens_per_mb = 1 * 16
+    fwd, bwd = mesh.boundaries[0].expected_bytes(tokens_per_mb, 4)
+    assert fwd == tokens_per_mb * (16 * 4 + 2) and bwd == tokens_per_mb * 16 * 4  # r fp32 + int16 ids
+    links = 3 * 2  # boundaries x microbatches
+    t = mesh.meter.totals
+    assert t["pp_fwd"] == links * fwd and t["pp_bwd"] == links * bwd
+    assert t["pp_params"] == 3 * 2 * H * 16 * 4  # dA up + A down per boundary per step
+
+
+def test_spel_training_keeps_projectors_on_the_manifold_and_copies_in_sync():
+    model = tiny_model()
+    mesh = SimMesh(model, mapl_cfg())
+    A0 = [b.projector.A.detach().clone() for b in mesh.boundaries]
+    losses = [mesh.train_step([tiny_batch(batch_size=2, seed=0)]) for _ in range(12)]
+    assert losses[-1] < losses[0]
+    for b, a0 in zip(mesh.boundaries, A0):
+        assert stiefel_error(b.projector.A.detach()) < 1e-4
+        assert not torch.allclose(b.projector.A, a0)
+        assert torch.equal(b.A_copy.detach(), b.projector.A.detach())   # receiver copy == owner's
+
+
+@pytest.mark.parametrize("optim", ["fixed", "muon"])
+def test_table5_projector_ablations(optim):
+    mesh = SimMesh(tiny_model(), mapl_cfg(boundary__projector_optim=optim, boundary__projector_lr_scale=1.0))
+    A0 = mesh.boundaries[0].projector.A.detach().clone()
+    for _ in range(5):
+        mesh.train_step([tiny_batch(batch_size=2)])
+    A = mesh.boundaries[0].projector.A.detach()
+    if optim == "fixed":
+        assert torch.equal(A, A0) and mesh.meter.totals["pp_params"] == 0
+    else:   # unconstrained updates leave St(d, r) (the failure mode of App. C)
+        assert stiefel_error(A) > 1e-2
+
+
+def test_dp_replicas_keep_identical_projectors():
+    mesh = SimMesh(tiny_model(), mapl_cfg(mesh__dp=2))
+    for step in range(3):
+        mesh.train_step([tiny_batch(batch_size=2, seed=step), tiny_batch(batch_size=2, seed=10 + step)])
+    a, b = (mesh.replica_boundaries[r][1].projector.A for r in range(2))
+    assert torch.equal(a, b)
+
+
+def test_architectural_kinds_reject_anchor_and_partial_masks():
+    from thinpipe.config import ConfigError
+    with pytest.raises(ConfigError, match="part of the model"):
+        mapl_cfg(mesh__anchor=1)
+    with pytest.raises(ConfigError, match="boundary.masked"):
+        mapl_cfg(boundary__masked=[0])
