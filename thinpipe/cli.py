@@ -116,6 +116,26 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_analyze(args) -> int:
+    from thinpipe.analysis.report import analyze_run
+
+    if args.batches < 1:
+        raise ConfigError(f"--batches must be >= 1, got {args.batches}")
+    result, paths = analyze_run(args.run, args.batches)
+    print(f"{'boundary':<9}{'kind':<9}{'r(90%)':>7}{'r(99%)':>7}{'rank':>6}{'captured':>10}{'fixed':>8}{'pca':>7}"
+          f"{'cos r':>7}")
+    for row in result["boundaries"]:
+        cap = (f"{row.get('rank', ''):>6}{row['captured_energy']:>10.3f}{row['captured_energy_fixed_random']:>8.3f}"
+               f"{row['captured_energy_best']:>7.3f}{row['cosine_pearson']:>7.3f}" if "captured_energy" in row else "")
+        print(f"{row['index']:<9}{row['kind']:<9}{row['rank_for_90']:>7}{row['rank_for_99']:>7}{cap}")
+    if "principal_angles_deg" in result:
+        print("mean principal angles (deg):")
+        for line in result["principal_angles_deg"]:
+            print("  " + " ".join(f"{a:6.1f}" for a in line))
+    print(f"wrote {Path(args.run) / 'analysis' / 'analysis.json'} and {', '.join(p.name for p in paths)}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from thinpipe.demo import run_demo
 
@@ -146,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--run", required=True)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
+
+    a = sub.add_parser("analyze", help="boundary spectra, projector angles, captured energy (MAPL Fig. 3-5)")
+    a.add_argument("--run", required=True, help="a run folder (config.toml + checkpoint/)")
+    a.add_argument("--batches", type=int, default=4, help="validation batches to analyse")
+    a.set_defaults(func=cmd_analyze)
 
     d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")
     d.add_argument("--out", default="runs/demo")

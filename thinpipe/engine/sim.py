@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from thinpipe.anchor import SimAnchorCircuit
-from thinpipe.boundary import build_boundaries
+from thinpipe.boundary import Payload, build_boundaries
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.boundary.ssn import confine
 from thinpipe.comm import ByteMeter, InFlight, InProcessGroup, Mailbox, drive_lockstep
@@ -108,6 +108,49 @@ class SimMesh:
                 if payload is not None:
                     self.mailbox.send((r, "params", b.index), payload, "pp_params")
                     b.receiver_load_params(self.mailbox.recv((r, "params", b.index)))
+
+    @torch.no_grad()
+    def boundary_residuals(self, batches: list[dict], replica: int = 0) -> list[torch.Tensor]:
+        """Per boundary, the sender's activation minus its token offset, (tokens, d), on ``batches``
+        run through the model as it trains (through architectural boundaries, dense otherwise).
+        The offset is the boundary's own (MAPL anchor / SSN fixed embedding), else the token
+        embedding (MAPL Fig. 3's X - E[ids])."""
+        stages, bounds = self.replicas[replica], self.replica_boundaries[replica]
+        out = [[] for _ in bounds]
+        for batch in batches:
+            ctx = make_contexts(batch, 1, self.step_index, replica)[0]
+            x = ctx.input_ids
+            for s, st in enumerate(stages[:-1]):
+                x = st(x, ctx)
+                b = bounds[s]
+                off = self._offset(b, stages, ctx)
+                out[s].append((x - off).reshape(-1, x.shape[-1]).float())
+                if b.architectural:
+                    _, payload = sender_forward(b, x, ctx)
+                    _, x = receiver_forward(b, payload, ctx, torch.float32)
+        return [torch.cat(o) for o in out]
+
+    @staticmethod
+    def _offset(b, stages, ctx) -> torch.Tensor:
+        if getattr(b, "sender_offset", None) is not None:
+            off = b.sender_offset(ctx.input_ids)
+            return 0.0 if off is None else off
+        if getattr(b, "token_fixed", None) is not None:
+            return b.token_fixed[ctx.input_ids]
+        return stages[0].embed_tokens(ctx.input_ids)
+
+    @torch.no_grad()
+    def pca_start(self, batches: list[dict]) -> None:
+        """Data-driven MAPL start: boundary by boundary, A_p = the top-r right singular vectors of
+        the residuals it will see (the earlier boundaries already using their PCA projectors)."""
+        stages, bounds = self.replicas[0], self.replica_boundaries[0]
+        for p, b in enumerate(bounds):
+            res = self.boundary_residuals(batches)[p]           # recomputed: upstream projectors changed
+            _, _, Vh = torch.linalg.svd(res.double(), full_matrices=False)
+            A = Vh[:b.rank].T.to(b.projector.A.dtype)
+            for replica in self.replica_boundaries:
+                replica[p].projector.A.copy_(A)
+                replica[p].receiver_load_params(replica[p].owner_params() or Payload({"A": A}))
 
     def confine_all(self) -> None:
         for stages, bounds in zip(self.replicas, self.replica_boundaries):

@@ -52,6 +52,26 @@ def validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
     return total / max(n, 1)
 
 
+def projector_energy(mesh: SimMesh, val, batch_size: int, seed: int) -> dict | None:
+    """Per boundary with a projector: captured energy of the first validation batch's residual by the
+    projector and by a fixed random basis of the same rank (MAPL Fig. 4b, tracked over training)."""
+    from thinpipe.analysis import captured_energy
+    from thinpipe.analysis.report import projector_of
+    from thinpipe.optim.stiefel import orthonormal
+
+    if not mesh.boundaries or projector_of(mesh.boundaries[0]) is None:
+        return None
+    batch = {"input_ids": val.input_ids[:batch_size], "labels": val.labels[:batch_size],
+             "segment_ids": val.segment_ids[:batch_size]}
+    out = {"learned": [], "fixed": []}
+    for b, X in zip(mesh.boundaries, mesh.boundary_residuals([batch])):
+        A = projector_of(b)
+        out["learned"].append(captured_energy(X, A))
+        out["fixed"].append(captured_energy(X, orthonormal(A.shape[0], A.shape[1],
+                                                           torch.Generator().manual_seed(seed + 17 + b.index))))
+    return out
+
+
 def trainable_params(mesh: SimMesh) -> int:
     seen = {id(p): p.numel() for st in mesh.replicas[0] for p in st.parameters() if p.requires_grad}
     pair = mesh.tied[0]
@@ -126,6 +146,10 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {n_layers} layers")
     train_ds, val_ds = build_data(cfg, loaded.tokenizer)
     mesh = SimMesh(loaded.model, cfg)
+    if cfg.boundary.init == "pca" and cfg.boundary.kind in ("mapl", "mapl-vq") and not resume:
+        # Its own data stream (another seed) so the training data order is the same as a random start's.
+        pca_stream = batches(train_ds, cfg.train.batch_size, cfg.train.seed + 1_000_003)
+        mesh.pca_start([next(pca_stream) for _ in range(cfg.boundary.pca_batches)])
     (out / "config.toml").write_text(cfg.to_toml())
 
     t = cfg.train
@@ -172,6 +196,9 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
             if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
                 row["val_loss"] = validation_loss(mesh, val_ds, t.batch_size)
                 val_points.append((step + 1, row["val_loss"]))
+                energy = projector_energy(mesh, val_ds, t.batch_size, t.seed)
+                if energy:
+                    row["captured_energy"] = energy
             metrics.append(row)
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -203,9 +230,9 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     return summary
 
 
-def load_run(run: str | Path):
-    """(config, merged Hugging Face model, tokenizer) of a finished or checkpointed run."""
-    from thinpipe.models import load_model, merge_stages
+def load_mesh(run: str | Path):
+    """(config, mesh restored from the checkpoint, LoadedModel) of a finished or checkpointed run."""
+    from thinpipe.models import load_model
 
     run = Path(run)
     if not (run / "config.toml").is_file() or not (run / "checkpoint" / "state.pt").is_file():
@@ -214,6 +241,19 @@ def load_run(run: str | Path):
     loaded = load_model(cfg.model.name, seed=cfg.train.seed)
     mesh = SimMesh(loaded.model, cfg)
     mesh.load_state_dict(torch.load(run / "checkpoint" / "state.pt", weights_only=False)["mesh"])
+    return cfg, mesh, loaded
+
+
+def load_run(run: str | Path):
+    """(config, merged Hugging Face model, tokenizer) of a finished or checkpointed run."""
+    from thinpipe.config import ARCHITECTURAL_KINDS
+    from thinpipe.models import merge_stages
+
+    cfg, mesh, loaded = load_mesh(run)
+    if cfg.boundary.kind in ARCHITECTURAL_KINDS:
+        raise ConfigError(f"{run} trained with boundary.kind = {cfg.boundary.kind}, whose projectors are part of "
+                          "the model: a plain Hugging Face model would drop them. Its held-out loss (through the "
+                          "boundaries) is in summary.json; `thinpipe analyze --run` inspects the boundaries")
     return cfg, merge_stages(loaded.model, mesh.replicas[0]), loaded.tokenizer
 
 

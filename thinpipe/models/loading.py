@@ -91,10 +91,10 @@ def _gguf_folder(gguf: Path) -> Path:
 def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     """Load model + tokenizer in fp32 with SDPA attention. ``seed`` only matters for random presets."""
     name = resolve_model_name(name)
-    if name.startswith("tiny-"):
+    if name.startswith("tiny-") or name == "small-llama":
         from thinpipe.data import ByteTokenizer
 
-        config = tiny_config(name.split("-", 1)[1])
+        config = tiny_config("small" if name == "small-llama" else name.split("-", 1)[1])
         config._attn_implementation = "sdpa"
         with torch.random.fork_rng():
             torch.manual_seed(seed)
@@ -116,8 +116,8 @@ def model_num_layers(name: str) -> int | None:
     import json
 
     name = resolve_model_name(name)
-    if name.startswith("tiny-"):
-        return tiny_config(name.split("-", 1)[1]).num_hidden_layers
+    if name.startswith("tiny-") or name == "small-llama":
+        return tiny_config("small" if name == "small-llama" else name.split("-", 1)[1]).num_hidden_layers
     if name == "smollm2-135m":
         return 30
     path = Path(name)
