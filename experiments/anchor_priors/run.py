@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from arms import arm_dir as shared_arm_dir  # noqa: E402
+from arms import run_suite, select  # noqa: E402
 
 # The shared recipe for every arm (see README.md here for why these sizes).
 BASE = {"model.name": "smollm2-135m", "data.name": "math", "mesh.pp": 4, "train.batch_size": 4,
@@ -71,31 +71,7 @@ ALIASES = {"M90+AP d20": "M90+AP", "M95+AP d20": "M95+AP", "M95+AP tau0.001": "M
 
 
 def arm_dir(out: Path, name: str) -> Path:
-    name = ALIASES.get(name, name)
-    return out / name.replace(" ", "_").replace("+", "p")
-
-
-def run_arm(name: str, sets: dict, out: Path, base: dict, threads: int) -> dict:
-    folder = arm_dir(out, name)
-    if name in ALIASES:
-        print(f"[alias] {name} is the {ALIASES[name]} run", flush=True)
-    if (folder / "summary.json").is_file():
-        print(f"[skip] {name}: done already", flush=True)
-        return json.loads((folder / "summary.json").read_text())
-    args = [sys.executable, "-m", "thinpipe", "train", "--out", str(folder), "--quiet"]
-    for k, v in {**base, **sets}.items():
-        args += ["--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    t0 = time.time()
-    print(f"[start] {name}", flush=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "log.txt", "w") as log:
-        r = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT)
-    if r.returncode:
-        print(f"[fail] {name}: exit {r.returncode}, see {folder / 'log.txt'}", flush=True)
-        return {}
-    print(f"[done] {name} in {time.time() - t0:.0f} s", flush=True)
-    return json.loads((folder / "summary.json").read_text())
+    return shared_arm_dir(out, name, ALIASES)
 
 
 def main() -> None:
@@ -116,15 +92,8 @@ def main() -> None:
     arms = SUITES[args.suite]
     # The whole suite's definition is recorded, whichever of its arms this invocation runs.
     (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": base, "arms": arms}, indent=2))
-    if args.only:
-        keep = {a.strip() for a in args.only.split(",")}
-        unknown = keep - set(arms)
-        if unknown:
-            raise SystemExit(f"--only names arms not in suite {args.suite!r}: {sorted(unknown)}; "
-                             f"its arms are {sorted(arms)}")
-        arms = {k: v for k, v in arms.items() if k in keep}
-    with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda kv: run_arm(kv[0], kv[1], out, base, args.threads), arms.items()))
+    arms = select(arms, args.only, args.suite)
+    run_suite(arms, out, base, args.jobs, args.threads, ALIASES)
 
 
 if __name__ == "__main__":
