@@ -58,3 +58,24 @@ def select(arms: dict[str, dict], only: str, suite: str) -> dict[str, dict]:
     if unknown:
         raise SystemExit(f"--only names arms not in suite {suite!r}: {sorted(unknown)}; its arms are {sorted(arms)}")
     return {k: v for k, v in arms.items() if k in keep}
+
+
+def load_results(folder: Path) -> dict | None:
+    """An arm's summary.json with its per-step metrics.jsonl rows under "metrics" (None if unfinished)."""
+    if not (folder / "summary.json").is_file():
+        return None
+    s = json.loads((folder / "summary.json").read_text())
+    s["metrics"] = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return s
+
+
+def save_figure(fig, axes, path: Path) -> None:
+    """Grid + legend on every axis, tight layout, PNG, close."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -17,6 +17,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from run import SUITES, arm_dir  # noqa: E402
 
+from arms import save_figure  # noqa: E402  (run.py put experiments/ on the path)
+
 
 def load_arm(folder: Path) -> dict | None:
     if not (folder / "summary.json").is_file():
@@ -75,12 +77,7 @@ def plot_suite(name: str, results: dict[str, dict], path: Path) -> None:
                              label=f"{arm}: corrected")
     axes[0].set(xlabel="step", ylabel="held-out loss (unmasked)", title=f"{name}: held-out loss")
     axes[1].set(xlabel="step", ylabel="cosine with clean gradient", title=f"{name}: gradient alignment")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, axes, path)
 
 
 def main() -> None:

@@ -16,20 +16,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from arms import arm_dir  # noqa: E402
+from arms import arm_dir, load_results, save_figure  # noqa: E402
 from run import ALIASES, SUITES  # noqa: E402
 
 # Table 1's reference for each suite (its own model, P and recipe).
 REFERENCE = {"main": "Uncompressed", "table5": "Uncompressed", "table6": "Uncompressed", "p8": "Uncompressed P8"}
 EXTRA = {"table5": ["spel r32"], "table6": ["anchor factorized r32"]}
-
-
-def load_arm(folder: Path) -> dict | None:
-    if not (folder / "summary.json").is_file():
-        return None
-    s = json.loads((folder / "summary.json").read_text())
-    s["metrics"] = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return s
 
 
 def pp_bpt(s: dict, params: bool = True) -> float:
@@ -69,12 +61,7 @@ def plot(name: str, results: dict[str, dict], path: Path) -> None:
     ax[0].set(xlabel="step", ylabel="held-out loss", title=f"{name}: held-out loss")
     ax[1].set(xlabel="step", ylabel="||X A||² / ||X||² (mean over boundaries)",
               title="captured energy: learned (solid) vs fixed random (dotted)", ylim=(0, 1))
-    for a in ax:
-        a.grid(alpha=0.3)
-        a.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, ax, path)
 
 
 def main() -> None:
@@ -86,8 +73,8 @@ def main() -> None:
     for suite, arms in SUITES.items():
         names = list(arms) + EXTRA.get(suite, [])
         ref_name = REFERENCE.get(suite)
-        ref = load_arm(arm_dir(out, ref_name, ALIASES)) if ref_name else None
-        results = {a: r for a in names if (r := load_arm(arm_dir(out, a, ALIASES))) is not None}
+        ref = load_results(arm_dir(out, ref_name, ALIASES)) if ref_name else None
+        results = {a: r for a in names if (r := load_results(arm_dir(out, a, ALIASES))) is not None}
         if ref is not None and ref_name not in results:
             results = {ref_name: ref, **results}
         if not results:
