@@ -113,3 +113,16 @@ def test_architectural_kinds_reject_anchor_and_partial_masks():
         mapl_cfg(mesh__anchor=1)
     with pytest.raises(ConfigError, match="boundary.masked"):
         mapl_cfg(boundary__masked=[0])
+
+
+def test_mesh_logits_equal_hugging_face_for_dense_and_full_rank_mapl():
+    model = tiny_model()
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    att = torch.ones(2, 12, dtype=torch.long)
+    att[1, -3:] = 0  # right padding
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=att).logits
+    for cfg in (config(model__name="tiny-llama", mesh__pp=4), mapl_cfg(boundary__rank=H, boundary__anchor="static")):
+        out = SimMesh(model, cfg).logits(ids, att)
+        real = att.bool()
+        assert torch.allclose(out[real], ref[real], atol=1e-4)

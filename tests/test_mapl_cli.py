@@ -29,8 +29,11 @@ def test_train_then_analyze(kind, tmp_path, capsys):
     assert 0 <= b0["captured_energy"] <= b0["captured_energy_best"] + 1e-9
     assert len(result["principal_angles_deg"]) == 3 and (run / "analysis" / "projectors.png").is_file()
     assert "principal angles" in capsys.readouterr().out
-    # the boundaries are part of the model: no silent export without them
+    # the boundaries are part of the model: no silent export without them; MC eval runs through them
     assert main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 2
+    capsys.readouterr()
+    assert main(["eval", "--model", str(run), "--tasks", "arc_easy", "--limit", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["n"] == 4
 
 
 def test_pca_start_captures_more_energy_than_random_and_keeps_the_manifold():

@@ -75,10 +75,8 @@ def cmd_eval(args) -> int:
     _validate_tasks(tasks)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    model, tokenizer = _eval_model(args.model)
-    from thinpipe.eval import evaluate_mc, logits_fn_from_model
-
-    logits_fn = logits_fn_from_model(model)
+    logits_fn, tokenizer = _eval_model(args.model)
+    from thinpipe.eval import evaluate_mc
     with torch.no_grad():
         results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
     if args.json:
@@ -91,18 +89,27 @@ def cmd_eval(args) -> int:
 
 
 def _eval_model(spec: str):
-    """``default`` / a preset / a model folder / a thinpipe run folder -> (HF model, tokenizer)."""
+    """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer).
+
+    A run whose boundaries are part of the model (ssn, mapl, mapl-vq) is evaluated through them on
+    its restored mesh; any other run as its merged Hugging Face model."""
+    from thinpipe.config import ARCHITECTURAL_KINDS
+    from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
     from thinpipe.models.presets import DEFAULT_MODEL
 
     path = Path(spec)
     if path.is_dir() and (path / "checkpoint" / "state.pt").is_file():
-        from thinpipe.engine.trainer import load_run
+        from thinpipe.engine.trainer import load_mesh, load_run
 
+        cfg = load_config(path / "config.toml")
+        if cfg.boundary.kind in ARCHITECTURAL_KINDS:
+            _, mesh, loaded = load_mesh(path)
+            return mesh.logits, loaded.tokenizer
         _, model, tok = load_run(path)
-        return model.eval(), tok
+        return logits_fn_from_model(model.eval()), tok
     loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
-    return loaded.model, loaded.tokenizer
+    return logits_fn_from_model(loaded.model), loaded.tokenizer
 
 
 def cmd_export(args) -> int:

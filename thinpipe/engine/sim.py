@@ -324,6 +324,26 @@ class SimMesh:
                 x = st(x, ctx)
         return float(x), n
 
+    @torch.no_grad()
+    def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, replica: int = 0) -> torch.Tensor:
+        """Vocabulary logits (B, T, V) of replica ``replica``'s model, through architectural
+        boundaries (dense otherwise); ``attention_mask`` (B, T) marks real tokens with 1."""
+        from thinpipe.engine.context import MicrobatchContext, positions_and_mask
+
+        seg = torch.where(attention_mask.bool(), 0, -1)
+        pos, mask = positions_and_mask(seg)
+        ctx = MicrobatchContext(self.step_index, 0, replica, input_ids, torch.full_like(input_ids, -100), pos, mask, 1.0)
+        x = input_ids
+        stages = self.replicas[replica]
+        for s, st in enumerate(stages):
+            if s and self.boundaries[s - 1].architectural:
+                b = self.replica_boundaries[replica][s - 1]
+                _, payload = sender_forward(b, x, ctx)
+                _, x = receiver_forward(b, payload, ctx, torch.float32)
+            with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+                x = st.hidden_states(x, ctx)
+        return stages[-1].logits(x).float()
+
     def state_dict(self) -> dict:
         return {"step": self.step_index,
                 "stages": [[st.state_dict() for st in stages] for stages in self.replicas],

@@ -252,8 +252,8 @@ def load_run(run: str | Path):
     cfg, mesh, loaded = load_mesh(run)
     if cfg.boundary.kind in ARCHITECTURAL_KINDS:
         raise ConfigError(f"{run} trained with boundary.kind = {cfg.boundary.kind}, whose projectors are part of "
-                          "the model: a plain Hugging Face model would drop them. Its held-out loss (through the "
-                          "boundaries) is in summary.json; `thinpipe analyze --run` inspects the boundaries")
+                          "the model: a plain Hugging Face model would drop them. `thinpipe eval --model RUN` evaluates "
+                          "it through its boundaries; `thinpipe analyze --run RUN` inspects them")
     return cfg, merge_stages(loaded.model, mesh.replicas[0]), loaded.tokenizer
 
 

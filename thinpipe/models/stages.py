@@ -63,17 +63,26 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x: token ids (B, T) on stage 0, else hidden states (B, T, H).
         Returns hidden states (B, T, H), or on the last stage the scaled loss (a scalar)."""
-        h = self.embed_tokens(x) if self.is_first else x
-        pos = self.rotary_emb(h, ctx.position_ids)
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos)
+        h = self.hidden_states(x, ctx)
         if not self.is_last:
             return h
-        logits = self.lm_head(self.norm(h))[:, :-1].float()
+        logits = self.logits(h)[:, :-1].float()
         targets = ctx.labels[:, 1:]
         loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
                                    ignore_index=-100, reduction="sum")
         return loss_sum * ctx.loss_scale
+
+    def hidden_states(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """(embed?) -> this stage's layers: hidden states (B, T, H)."""
+        h = self.embed_tokens(x) if self.is_first else x
+        pos = self.rotary_emb(h, ctx.position_ids)
+        for layer in self.layers.values():
+            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Last stage: vocabulary logits (B, T, V) of hidden states."""
+        return self.lm_head(self.norm(h))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters under their names in the original Hugging Face model."""
