@@ -1,0 +1,94 @@
+"""A payload on a real link: a fixed-size header describing its tensors, then the tensors.
+
+The header (``HEADER_SLOTS`` int64) carries a magic number, the tensor count, and per tensor its
+name, dtype and shape, so the receiver allocates exactly what arrives and can refuse anything
+malformed (unknown dtype, absurd size, a spec other than the one it expects) with an error instead
+of reading garbage. Payload bytes (what the byte meter counts, as in the simulation) exclude the
+header; ``HEADER_BYTES`` per message is the protocol's overhead, reported separately.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.boundary.base import Payload
+
+MAGIC = 0x7468696E70697065  # "thinpipe"
+MAX_TENSORS = 8
+MAX_NDIM = 6
+NAME_SLOTS = 4                # 32 bytes of UTF-8 name
+PER_TENSOR = 2 + MAX_NDIM + NAME_SLOTS
+HEADER_SLOTS = 3 + MAX_TENSORS * PER_TENSOR
+HEADER_BYTES = HEADER_SLOTS * 8
+MAX_PAYLOAD_BYTES = 2 ** 33   # 8 GiB: anything larger is a corrupt header, not a payload
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8,
+          torch.int8, torch.bool, torch.float64]
+CODE = {dt: i for i, dt in enumerate(DTYPES)}
+
+
+class PayloadError(RuntimeError):
+    """A received payload is malformed or not what the receiver expects."""
+
+
+def _name_slots(name: str) -> list[int]:
+    raw = name.encode()
+    if len(raw) > NAME_SLOTS * 8:
+        raise ValueError(f"payload tensor name {name!r} is longer than {NAME_SLOTS * 8} bytes")
+    raw = raw.ljust(NAME_SLOTS * 8, b"\0")
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _name(slots: list[int]) -> str:
+    return b"".join(int(s).to_bytes(8, "little", signed=True) for s in slots).rstrip(b"\0").decode()
+
+
+def encode_header(payload: Payload) -> torch.Tensor:
+    items = list(payload.tensors.items())
+    if len(items) > MAX_TENSORS:
+        raise ValueError(f"a payload holds at most {MAX_TENSORS} tensors, got {len(items)}")
+    h = [MAGIC, len(items), payload.nbytes]
+    for name, t in items:
+        if t.dtype not in CODE or t.ndim > MAX_NDIM:
+            raise ValueError(f"payload tensor {name!r}: dtype {t.dtype} / {t.ndim} dims not supported on the wire")
+        h += [CODE[t.dtype], t.ndim] + list(t.shape) + [0] * (MAX_NDIM - t.ndim) + _name_slots(name)
+    h += [0] * (HEADER_SLOTS - len(h))
+    return torch.tensor(h, dtype=torch.int64)
+
+
+def decode_header(h: torch.Tensor) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """-> [(name, dtype, shape)]; raises PayloadError on anything inconsistent."""
+    v = h.tolist()
+    if len(v) != HEADER_SLOTS or v[0] != MAGIC:
+        raise PayloadError("payload header has the wrong magic number: the peer is not speaking this protocol "
+                           "(or the stream is out of step)")
+    n, total = v[1], v[2]
+    if not 0 <= n <= MAX_TENSORS or not 0 <= total <= MAX_PAYLOAD_BYTES:
+        raise PayloadError(f"payload header claims {n} tensors / {total} bytes")
+    spec, size = [], 0
+    for k in range(n):
+        f = v[3 + k * PER_TENSOR: 3 + (k + 1) * PER_TENSOR]
+        code, ndim = f[0], f[1]
+        if not 0 <= code < len(DTYPES) or not 0 <= ndim <= MAX_NDIM:
+            raise PayloadError(f"payload tensor {k}: unknown dtype code {code} or {ndim} dims")
+        shape = tuple(f[2:2 + ndim])
+        if any(d < 0 for d in shape):
+            raise PayloadError(f"payload tensor {k}: negative dimension in {shape}")
+        dtype = DTYPES[code]
+        numel = 1
+        for d in shape:
+            numel *= d
+        size += numel * torch.empty(0, dtype=dtype).element_size()
+        spec.append((_name(f[2 + MAX_NDIM:]), dtype, shape))
+    if size != total:
+        raise PayloadError(f"payload header is inconsistent: its tensors hold {size} bytes, it claims {total}")
+    return spec
+
+
+def check_spec(spec, expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None, where: str) -> None:
+    """Compare a received spec with what the receiver expects (None: accept any well-formed one)."""
+    if expected is None:
+        return
+    got = {name: (shape, dtype) for name, dtype, shape in spec}
+    if got != expected:
+        raise PayloadError(f"{where}: received payload {got} but expected {expected}")
