@@ -74,3 +74,11 @@ def test_eval_runs_through_the_boundary_and_matches_the_dense_stages():
         for st in mesh.replicas[0]:
             x = st(x, ctx)
     assert abs(through - float(x)) < 1e-4 * abs(through)
+
+
+def test_payload_bytes_equal_the_formula():
+    mesh = SimMesh(tiny_model(), ssn_cfg(train__microbatches=2))
+    mesh.train_step([tiny_batch(batch_size=2)])
+    fwd, bwd = mesh.boundaries[0].expected_bytes(16, 4)
+    assert fwd == 16 * (16 * 4 + 2) and bwd == 16 * 16 * 4        # r fp32 values (+ int16 id forward)
+    assert mesh.meter.totals["pp_fwd"] == 3 * 2 * fwd and mesh.meter.totals["pp_bwd"] == 3 * 2 * bwd
