@@ -64,7 +64,8 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
     a = torch.load(full / "checkpoint" / "state.pt", weights_only=False)["mesh"]
     b = torch.load(part / "checkpoint" / "state.pt", weights_only=False)["mesh"]
     assert a["bytes"] == b["bytes"]
-    for sa, sb in zip(a["stages"][1], b["stages"][1]):
+    for ra, rb in zip(a["ranks"][1], b["ranks"][1]):
+        sa, sb = ra["stage"], rb["stage"]
         for k in sa:
             assert torch.equal(sa[k], sb[k]), k
 

@@ -160,7 +160,8 @@ def test_checkpoint_round_trip_continues_the_trajectory():
     for step in range(3):
         first.train_step([tiny_batch(2, seed=step)], tiny_batch(2, seed=100 + step))
     state = copy.deepcopy(first.state_dict())
-    assert state["optimizers"][0][0]["basis"] and state["optimizers"][0][0]["momentum"]
+    saved = state["ranks"][0][0]["optimizer"]
+    assert saved["basis"] and saved["momentum"]
     resumed = SimMesh(model, cfg)
     resumed.load_state_dict(state)
     rest = [resumed.train_step([tiny_batch(2, seed=s)], tiny_batch(2, seed=100 + s)) for s in range(3, 6)]

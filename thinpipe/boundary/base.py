@@ -69,6 +69,8 @@ class Boundary(nn.Module):
         return Payload({"g": self._to_wire(g)})
 
     # boundary parameters (DESIGN.md property 3): none here -------------------------------------
+    has_shared_params = False  # True: one end owns parameters the other end computes with (synced per step)
+
     def attach(self, sender, receiver) -> None:
         """Register the boundary's owned modules on the stages that own them."""
 

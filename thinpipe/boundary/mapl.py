@@ -121,12 +121,16 @@ class MaplBoundary(Boundary):
         return Payload({"g": self._to_wire(g)})
 
     # projector sync (pp_params axis) --------------------------------------------------------------
+    @property
+    def has_shared_params(self) -> bool:
+        return self.projector.A.requires_grad
+
     def receiver_param_grads(self) -> Payload | None:
         """Receiver -> owner: the copy's gradient contribution (then cleared)."""
-        if not self.projector.A.requires_grad or self.A_copy.grad is None:
+        if not self.has_shared_params:
             return None
         g, self.A_copy.grad = self.A_copy.grad, None
-        return Payload({"dA": g})
+        return Payload({"dA": torch.zeros_like(self.A_copy) if g is None else g})
 
     def owner_absorb_grads(self, payload: Payload) -> None:
         A = self.projector.A

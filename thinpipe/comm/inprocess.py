@@ -43,7 +43,9 @@ class LocalGroup:
 
 
 class InProcessGroup:
-    def __init__(self, size: int, meter: ByteMeter, axis: str):
+    """``axis`` None: a control group (e.g. gradient norms for clipping) whose few bytes are not metered."""
+
+    def __init__(self, size: int, meter: ByteMeter, axis: str | None):
         self.size, self.meter, self.axis = size, meter, axis
         self._pending: dict[int, tuple[torch.Tensor, Work]] = {}
         self._gather: dict[tuple, tuple] = {}
@@ -55,7 +57,8 @@ class InProcessGroup:
         work = Work()
         self._pending[rank] = (tensor, work)
         n = self.size
-        self.meter.add(self.axis, 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
+        if self.axis is not None:
+            self.meter.add(self.axis, 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
         if len(self._pending) == n:
             members = [self._pending[r] for r in range(n)]
             total = members[0][0].clone()
@@ -76,7 +79,8 @@ class InProcessGroup:
             raise RuntimeError(f"rank {rank} posted twice to the same all-gather")
         work, out = Work(), []
         self._gather[key] = (tensor.clone(), work, out)
-        self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
+        if self.axis is not None:
+            self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
         if len(self._gather) == self.size:
             members = [self._gather[("gather", r)] for r in range(self.size)]
             for _, w, o in members:

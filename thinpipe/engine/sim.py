@@ -1,12 +1,14 @@
 """Single-process simulation of the mesh: ``dp`` fast replicas x ``pp`` stages, exactly.
 
-Every replica holds its own copy of every stage and its own optimizers, as real workers would; the
-PP transport is an in-process mailbox and the DP group an in-process collective, both metered. The
-step is: run every replica's pipeline schedule -> DP sync per stage -> tied-embedding sync ->
-global-norm clip -> optimizer step (-> DiLoCo outer step every H steps). DP algorithms are
-generators over one rank's tensors (``thinpipe.dp``), driven here in lockstep over the replicas. With ``mesh.anchor = 1`` an anchor circuit runs an
-unmasked cycle on the step's weights every ``anchor.every`` steps, and the priors due at a step are
-folded into each stage's spectral-correction optimizer just before it steps (§3.2, §3.4).
+The mesh is a grid of ``StageRank`` objects (``engine/rank.py``), one per (replica, stage): each
+holds its stage, boundaries, optimizer and DP state, as a process of the real mesh does. Here
+their transport is an in-process mailbox and their groups in-process collectives, both metered,
+and every phase of a step runs on all ranks in lockstep: every replica's pipeline schedule ->
+boundary-parameter gradients to their owners -> DP sync per stage -> tied-embedding sync ->
+global-norm clip + optimizer step -> DiLoCo / Streaming DiLoCo outer work -> boundary parameters
+to the other end. With ``mesh.anchor = 1`` an anchor circuit runs an unmasked cycle on the step's
+weights every ``anchor.every`` steps, and the priors due at a step are folded into each stage's
+spectral-correction optimizer just before it steps (§3.2, §3.4).
 """
 
 from __future__ import annotations
@@ -17,17 +19,15 @@ from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import Payload, build_boundaries
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.boundary.ssn import confine
-from thinpipe.comm import ByteMeter, InFlight, InProcessGroup, Mailbox, drive_lockstep
+from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
-from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
-from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
+from thinpipe.dp import allreduce_average
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.diagnostics import gradient_diagnostics
+from thinpipe.engine.rank import StageRank
 from thinpipe.engine.schedule import SCHEDULES, serial_order
-from thinpipe.engine.worker import StageWorker
 from thinpipe.models.stages import Stage, build_stages, tied_pair
-from thinpipe.optim import clip_coefficient, cosine_with_warmup, tensor_norms
-from thinpipe.optim.build import build_stage_optimizer
+from thinpipe.optim import cosine_with_warmup
 from thinpipe.optim.stiefel import grassmann_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -61,23 +61,21 @@ class SimMesh:
         self.ssn = cfg.boundary.kind == "ssn" and m.pp > 1
         if self.ssn:
             self.confine_all()
-        self.workers = [[StageWorker(st, r, bounds[s - 1] if s else None, bounds[s] if s < m.pp - 1 else None,
-                                     self.mailbox, self.compute_dtype)
-                         for s, st in enumerate(stages)]
-                        for r, (stages, bounds) in enumerate(zip(self.replicas, self.replica_boundaries))]
-        self.groups = [InProcessGroup(m.dp, self.meter, "dp") for _ in range(m.pp)]  # one DP group per stage
-        d = cfg.dp
-        compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
-        self.psgd = [[PowerSGDState(rank=d.rank or 4, start_step=d.start_step if d.kind == "powersgd" else 0,
-                                    seed=t.seed * 7 + s) for s in range(m.pp)] for _ in range(m.dp)] if compress else None
-        self.diloco = ([[DiLoCoState(st.named_parameters(), d.outer_lr, d.outer_momentum) for st in stages]
-                        for stages in self.replicas] if d.kind == "diloco" else None)
-        self.streaming = ([[StreamingState(st.named_parameters(), d.fragments, d.outer_lr, d.outer_momentum)
-                            for st in stages] for stages in self.replicas] if d.kind == "streaming-diloco" else None)
-        # Posted fragment syncs: (apply step, fragment, stage, deltas per replica, InFlight)
-        self.in_flight: list[tuple[int, int, int, list[dict], InFlight]] = []
+        # One rank per (replica, stage), exactly what a process of the real mesh runs; the groups
+        # and the mailbox are their in-process transport. Each stage has one DP group (metered on
+        # ``dp``); each replica one PP control group (the clip's gradient norms, not metered).
+        self.groups = [InProcessGroup(m.dp, self.meter, "dp") for _ in range(m.pp)]
+        pp_groups = [InProcessGroup(m.pp, self.meter, None) for _ in range(m.dp)]
+        self.ranks: list[list[StageRank]] = [
+            [StageRank(cfg, st, r, bounds[s - 1] if s else None, bounds[s] if s < m.pp - 1 else None, self.mailbox,
+                       self.groups[s], pp_groups[r], self.compute_dtype) for s, st in enumerate(stages)]
+            for r, (stages, bounds) in enumerate(zip(self.replicas, self.replica_boundaries))]
+        self.workers = [[rk.worker for rk in row] for row in self.ranks]
+        self.optimizers = [[rk.optimizer for rk in row] for row in self.ranks]
+        self.psgd = [[rk.psgd for rk in row] for row in self.ranks] if self.ranks[0][0].psgd else None
+        self.diloco = [[rk.diloco for rk in row] for row in self.ranks] if self.ranks[0][0].diloco else None
+        self.streaming = [[rk.streaming for rk in row] for row in self.ranks] if self.ranks[0][0].streaming else None
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
-        self.optimizers = [[self._optimizer(st, s) for s, st in enumerate(stages)] for stages in self.replicas]
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
                                         replica_tag=m.dp) if m.anchor else None)
         self.priors_consumed = 0
@@ -86,28 +84,12 @@ class SimMesh:
         self.step_index = 0
         self.last_grad_norm = 0.0
 
-    def _optimizer(self, stage: Stage, index: int):
-        return build_stage_optimizer(stage, self.cfg, index)
+    def all_ranks(self) -> list[StageRank]:
+        return [rk for row in self.ranks for rk in row]
 
-    # boundary parameters ------------------------------------------------------------------------
-    def sync_boundary_grads(self) -> None:
-        """Receivers return their gradient contributions to shared boundary parameters (MAPL's A_p)
-        to the owners, before DP sync and clipping see the gradients."""
-        for r, bounds in enumerate(self.replica_boundaries):
-            for b in bounds:
-                payload = b.receiver_param_grads()
-                if payload is not None:
-                    self.mailbox.send((r, "dparams", b.index), payload, "pp_params")
-                    b.owner_absorb_grads(self.mailbox.recv((r, "dparams", b.index)))
-
-    def sync_boundary_params(self) -> None:
-        """Owners send the updated shared boundary parameters to the other end."""
-        for r, bounds in enumerate(self.replica_boundaries):
-            for b in bounds:
-                payload = b.owner_params()
-                if payload is not None:
-                    self.mailbox.send((r, "params", b.index), payload, "pp_params")
-                    b.receiver_load_params(self.mailbox.recv((r, "params", b.index)))
+    def phase(self, make) -> None:
+        """Run one step phase on every rank, in lockstep (see ``engine/rank.py``)."""
+        drive_lockstep(make(rk) for rk in self.all_ranks())
 
     @torch.no_grad()
     def boundary_residuals(self, batches: list[dict], replica: int = 0) -> list[torch.Tensor]:
@@ -195,96 +177,21 @@ class SimMesh:
             losses.append(sum(last.losses))
         return sum(losses) / len(losses)
 
-    def _grad_average(self, r: int, s: int):
-        grads = {n: p.grad for n, p in self.replicas[r][s].named_parameters() if p.grad is not None}
-        if self.cfg.dp.kind == "powersgd":
-            return powersgd_average(self.psgd[r][s], grads, self.groups[s], r, self.cfg.mesh.dp)
-        return allreduce_average(grads, self.groups[s], r, self.cfg.mesh.dp)
-
-    def sync_gradients(self) -> None:
-        """Per-step DP gradient sync per stage (every replica posts, then all finish; DiLoCo has
-        none: it syncs weights every H steps), then the tied-embedding sync."""
-        m = self.cfg.mesh
-        if self.cfg.dp.kind in ("allreduce", "powersgd") and m.dp > 1:
-            for s in range(m.pp):
-                drive_lockstep(self._grad_average(r, s) for r in range(m.dp))
-        for r in range(m.dp):
-            pair = self.tied[r]
-            if pair is not None:       # the two ends exchange their gradients and both apply the sum
-                a, b = pair
-                total = a.grad + b.grad
-                a.grad.copy_(total)
-                b.grad.copy_(total)
-                if r == 0:
-                    self.meter.add("tied", 2 * a.grad.numel() * a.grad.element_size())
-
-    def optimizer_step(self) -> None:
-        """Clip, fold in the anchor priors due now, correct, step; then advance the step counter."""
-        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
-        self.priors_consumed += len(priors)
-        lr = self.lr_at(self.step_index)
-        for r in range(self.cfg.mesh.dp):
-            stages = self.replicas[r]
-            norms = torch.cat([tensor_norms(st.parameters()) for st in stages])
-            total_norm, coef = clip_coefficient(norms, self.cfg.train.grad_clip)
-            for s, (st, opt) in enumerate(zip(stages, self.optimizers[r])):
-                if coef < 1.0:
-                    for p in st.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-                for prior in priors:
-                    opt.receive_prior(prior.grads[s])
-                    if self.cfg.anchor.mix:
-                        self._mix_anchor(st, prior.grads[s])
-                for g in opt.param_groups:
-                    g["lr"] = lr * g.get("lr_scale", 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if r == 0:
-                self.last_grad_norm = total_norm
-        if self.diloco is not None and (self.step_index + 1) % self.cfg.dp.inner_steps == 0:
-            self.diloco_outer_step()
-        if self.streaming is not None:
-            self.streaming_step()
-        self.step_index += 1
-
-    def streaming_step(self) -> None:
-        """Post the fragments whose sync starts now; apply those posted ``overlap`` steps ago."""
-        m, d, t = self.cfg.mesh, self.cfg.dp, self.step_index
-        for f in sync_start_steps(t, d.inner_steps, d.fragments):
-            for s in range(m.pp):
-                deltas = [fragment_deltas(self.streaming[r][s], f, self.replicas[r][s].named_parameters())
-                          for r in range(m.dp)]
-                self.in_flight.append((t + d.overlap, f, s, deltas, self._post_fragment(f, s, deltas)))
-        due = [x for x in self.in_flight if x[0] <= t]
-        self.in_flight = [x for x in self.in_flight if x[0] > t]
-        for *_, flight in due:
-            flight.finish()
-
-    def _post_fragment(self, f: int, s: int, deltas: list[dict]) -> InFlight:
-        m, d = self.cfg.mesh, self.cfg.dp
-        return InFlight(fragment_sync(self.streaming[r][s], f, deltas[r], self.replicas[r][s].named_parameters(),
-                                      self.groups[s], r, m.dp, d.alpha, d.quantize,
-                                      self.psgd[r][s] if self.psgd else None) for r in range(m.dp))
-
-    def diloco_outer_step(self) -> None:
-        m = self.cfg.mesh
-        for s in range(m.pp):
-            drive_lockstep(outer_step(self.diloco[r][s], self.replicas[r][s].named_parameters(), self.groups[s], r,
-                                      m.dp, self.psgd[r][s] if self.psgd else None) for r in range(m.dp))
-
-    @torch.no_grad()
-    def _mix_anchor(self, stage: Stage, grads: dict[str, torch.Tensor]) -> None:
-        """Variant ``anchor.mix``: add the stale anchor gradient itself, as asynchronous SGD would."""
-        for name, p in stage.named_parameters():
-            if name in grads and p.grad is not None:
-                p.grad.add_(grads[name], alpha=self.cfg.anchor.mix)
-
     def run_anchor(self, anchor_batch: dict | None) -> None:
         if self.anchor is not None and self.anchor.starts_at(self.step_index):
             if anchor_batch is None:
                 raise ValueError("the anchor circuit starts a cycle at this step but got no batch")
             self.anchor.run_cycle(self.step_index, self.replicas[0], anchor_batch, self.cfg.mesh.dp)
+
+    def sync_boundary_grads(self) -> None:
+        """Receivers return their gradient contributions to shared boundary parameters (MAPL's A_p)
+        to the owners, before DP sync and clipping see the gradients."""
+        self.phase(lambda rk: rk.exchange_boundary_grads())
+
+    def sync_gradients(self) -> None:
+        """The per-step gradient syncs: DP per stage, then the tied embedding."""
+        self.phase(lambda rk: rk.dp_sync())
+        self.phase(lambda rk: rk.tied_sync())
 
     def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
         refresh = self.ssn_refresh_due()
@@ -298,13 +205,19 @@ class SimMesh:
                                  if every and self.step_index % every == 0 else None)
         self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
         self.sync_gradients()
-        self.optimizer_step()
-        self.sync_boundary_params()
+        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
+        self.priors_consumed += len(priors)
+        lr, mix = self.lr_at(self.step_index), self.cfg.anchor.mix
+        self.phase(lambda rk: rk.clip_and_step(lr, [p.grads[rk.index] for p in priors], mix))
+        self.last_grad_norm = self.ranks[0][0].last_grad_norm
+        self.phase(lambda rk: rk.outer_steps(self.step_index))
+        self.phase(lambda rk: rk.broadcast_boundary_params())
         if self.ssn:
             if refresh:
                 self.ssn_refresh()
             else:
                 self.confine_all()
+        self.step_index += 1
         return loss
 
     # ------------------------------------------------------------------------------------------
@@ -346,42 +259,25 @@ class SimMesh:
 
     def state_dict(self) -> dict:
         return {"step": self.step_index,
-                "stages": [[st.state_dict() for st in stages] for stages in self.replicas],
-                "optimizers": [[o.state_dict() for o in opts] for opts in self.optimizers],
+                "ranks": [[rk.state_dict() for rk in row] for row in self.ranks],
                 "bytes": self.meter.snapshot(), "priors_consumed": self.priors_consumed,
-                "psgd": [[st.state_dict() for st in row] for row in self.psgd] if self.psgd else None,
-                "diloco": [[st.state_dict() for st in row] for row in self.diloco] if self.diloco else None,
-                "streaming": [[st.state_dict() for st in row] for row in self.streaming] if self.streaming else None,
-                # a posted sync is saved as its inputs (the collective is re-posted on load)
-                "in_flight": [(due, f, s, deltas) for due, f, s, deltas, _ in self.in_flight],
                 "anchor": self.anchor.state_dict() if self.anchor is not None else None,
                 # boundary state beyond the stages' parameters (codebooks, the SSN basis, copies)
                 "boundaries": [[b.state_dict() for b in bounds] for bounds in self.replica_boundaries]}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_index = state["step"]
-        for stages, sds in zip(self.replicas, state["stages"]):
-            for st, sd in zip(stages, sds):
-                st.load_state_dict(sd)
-        for opts, sds in zip(self.optimizers, state["optimizers"]):
-            for o, sd in zip(opts, sds):
-                o.load_state_dict(sd)
-        self.meter.totals.update(state["bytes"])
         self.priors_consumed = state["priors_consumed"]
-        for rows, saved in ((self.psgd, state.get("psgd")), (self.diloco, state.get("diloco")),
-                            (self.streaming, state.get("streaming"))):
-            for row, srow in zip(rows or [], saved or []):
-                for st, sd in zip(row, srow):
-                    st.load_state_dict(sd)
         if self.anchor is not None:
             self.anchor.load_state_dict(state["anchor"])
         for bounds, saved in zip(self.replica_boundaries, state.get("boundaries") or []):
             for b, sd in zip(bounds, saved):
                 b.load_state_dict(sd)
+        # Restoring re-posts in-flight syncs, which must not count their bytes twice.
+        self.phase(lambda rk: rk.load_state_dict(state["ranks"][rk.replica][rk.index]))
+        self.meter.totals.update(state["bytes"])
+        for bounds in self.replica_boundaries:
+            for b in bounds:
                 payload = b.owner_params()       # the receiver's copy equals the restored owner's
                 if payload is not None:
                     b.receiver_load_params(payload)
-        before = self.meter.snapshot()  # re-posting must not count the bytes twice
-        self.in_flight = [(due, f, s, deltas, self._post_fragment(f, s, deltas))
-                          for due, f, s, deltas in state.get("in_flight", [])]
-        self.meter.totals.update(before)

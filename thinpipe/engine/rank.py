@@ -1,0 +1,189 @@
+"""One stage of one fast replica and everything it does in a step (DESIGN.md property 1).
+
+A ``StageRank`` owns its stage module, its two boundaries, its optimizer and its DP state, and
+talks to other ranks only through a transport (point-to-point payloads) and two groups (its
+stage's DP group, its replica's PP group). Each phase of a step that talks to other ranks is a
+generator yielding a ``Work`` whenever it has posted something others must take part in: the
+single-process simulation advances every rank's phase in lockstep (``drive_lockstep``), a real
+process runs its own phase to the end, waiting on each ``Work``. The math is identical either way.
+
+Phase order per step (after the pipeline's forward/backward):
+  exchange_boundary_grads  receivers return dL/d(shared boundary params) to their owners
+  dp_sync                  per-step gradient averaging (all-reduce / PowerSGD) in the stage's DP group
+  tied_sync                first and last stage exchange the tied-embedding gradients, both apply the sum
+  clip_and_step            global-norm clip over the replica's stages, anchor priors, optimizer step
+  outer_steps              DiLoCo outer step / Streaming DiLoCo fragment posts and finishes
+  broadcast_boundary_params owners send the updated shared boundary params to the other end
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+
+import torch
+
+from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
+from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
+from thinpipe.engine.worker import StageWorker
+from thinpipe.optim import clip_coefficient, tensor_norms
+from thinpipe.optim.build import build_stage_optimizer
+
+
+class _Done:
+    """A Work that is already complete: a point where a phase lets the other ranks catch up."""
+
+    def wait(self) -> None:
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = _Done()
+
+
+class StageRank:
+    def __init__(self, cfg, stage, replica: int, in_boundary, out_boundary, transport, dp_group, pp_group,
+                 compute_dtype: torch.dtype):
+        self.cfg, self.stage, self.replica, self.index = cfg, stage, replica, stage.index
+        self.in_boundary, self.out_boundary = in_boundary, out_boundary
+        self.transport, self.dp_group, self.pp_group = transport, dp_group, pp_group
+        self.worker = StageWorker(stage, replica, in_boundary, out_boundary, transport, compute_dtype)
+        self.optimizer = build_stage_optimizer(stage, cfg, self.index)
+        d, t = cfg.dp, cfg.train
+        compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
+        self.psgd = (PowerSGDState(rank=d.rank or 4, start_step=d.start_step if d.kind == "powersgd" else 0,
+                                   seed=t.seed * 7 + self.index) if compress else None)
+        self.diloco = DiLoCoState(stage.named_parameters(), d.outer_lr, d.outer_momentum) if d.kind == "diloco" else None
+        self.streaming = (StreamingState(stage.named_parameters(), d.fragments, d.outer_lr, d.outer_momentum)
+                          if d.kind == "streaming-diloco" else None)
+        # Posted fragment syncs: (apply step, fragment, deltas, generator, its posted Work)
+        self.in_flight: list[tuple[int, int, dict, Generator, object]] = []
+        self.tied_param = self._tied_param()
+        self.last_grad_norm = 0.0
+
+    def _tied_param(self):
+        """The tied matrix this stage holds a copy of, when the first and last stage differ."""
+        st, m = self.stage, self.cfg.mesh
+        if self.cfg.model.tied != "sync" or m.pp < 2 or not st.tied_embeddings:
+            return None
+        if st.is_first:
+            return st.embed_tokens.weight
+        return st.lm_head.weight if st.is_last else None
+
+    # -------------------------------------------------------------------------------------------
+    def exchange_boundary_grads(self) -> Generator:
+        if self.in_boundary is not None and self.in_boundary.has_shared_params:
+            self.transport.send((self.replica, "dparams", self.in_boundary.index),
+                                self.in_boundary.receiver_param_grads(), "pp_params")
+        yield DONE
+        if self.out_boundary is not None and self.out_boundary.has_shared_params:
+            self.out_boundary.owner_absorb_grads(self.transport.recv((self.replica, "dparams", self.out_boundary.index)))
+
+    def dp_sync(self) -> Generator:
+        d, world = self.cfg.dp, self.cfg.mesh.dp
+        if d.kind not in ("allreduce", "powersgd") or world < 2:
+            return
+        grads = {n: p.grad for n, p in self.stage.named_parameters() if p.grad is not None}
+        if d.kind == "powersgd":
+            yield from powersgd_average(self.psgd, grads, self.dp_group, self.replica, world)
+        else:
+            yield from allreduce_average(grads, self.dp_group, self.replica, world)
+
+    def tied_sync(self) -> Generator:
+        p = self.tied_param
+        if p is None:
+            return
+        from thinpipe.boundary.base import Payload
+
+        peer = "last" if self.stage.is_first else "first"
+        self.transport.send((self.replica, "tied", peer), Payload({"g": p.grad.detach().clone()}), "tied")
+        yield DONE
+        other = self.transport.recv((self.replica, "tied", "first" if self.stage.is_first else "last")).tensors["g"]
+        # The same sum on both ends (embedding's + head's), so the two copies stay equal bitwise.
+        total = p.grad + other if self.stage.is_first else other + p.grad
+        p.grad.copy_(total)
+
+    def clip_and_step(self, lr: float, prior_grads: list[dict], mix: float) -> Generator:
+        """Clip by the replica's global gradient norm (every stage's per-tensor norms gathered in stage
+        order: the reduction of the unsplit model), fold in anchor priors, step."""
+        work, gathered = self.pp_group.all_gather(self.index, tensor_norms(self.stage.parameters()))
+        yield work
+        total, coef = clip_coefficient(torch.cat(gathered), self.cfg.train.grad_clip)
+        params = list(self.stage.parameters())
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        for grads in prior_grads:
+            self.optimizer.receive_prior(grads)
+            if mix:
+                self._mix_anchor(grads, mix)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_grad_norm = total
+
+    @torch.no_grad()
+    def _mix_anchor(self, grads: dict[str, torch.Tensor], mix: float) -> None:
+        """Variant ``anchor.mix``: add the stale anchor gradient itself, as asynchronous SGD would."""
+        for name, p in self.stage.named_parameters():
+            if name in grads and p.grad is not None:
+                p.grad.add_(grads[name], alpha=mix)
+
+    def outer_steps(self, step: int) -> Generator:
+        d, world = self.cfg.dp, self.cfg.mesh.dp
+        if self.diloco is not None and (step + 1) % d.inner_steps == 0:
+            yield from outer_step(self.diloco, self.stage.named_parameters(), self.dp_group, self.replica, world,
+                                  self.psgd)
+        if self.streaming is None:
+            return
+        for f in sync_start_steps(step, d.inner_steps, d.fragments):
+            deltas = fragment_deltas(self.streaming, f, self.stage.named_parameters())
+            yield from self._post(step + d.overlap, f, deltas)
+        due = [x for x in self.in_flight if x[0] <= step]
+        self.in_flight = [x for x in self.in_flight if x[0] > step]
+        for _, _, _, gen, work in due:
+            yield work
+            yield from gen
+
+    def _post(self, due: int, f: int, deltas: dict) -> Generator:
+        """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
+        d = self.cfg.dp
+        gen = fragment_sync(self.streaming, f, deltas, self.stage.named_parameters(), self.dp_group, self.replica,
+                            self.cfg.mesh.dp, d.alpha, d.quantize, self.psgd)
+        try:
+            work = next(gen)
+        except StopIteration:
+            return
+        self.in_flight.append((due, f, deltas, gen, work))
+        yield DONE  # let the other members post the same collective before anyone posts the next
+
+    def broadcast_boundary_params(self) -> Generator:
+        if self.out_boundary is not None and self.out_boundary.has_shared_params:
+            self.transport.send((self.replica, "params", self.out_boundary.index),
+                                self.out_boundary.owner_params(), "pp_params")
+        yield DONE
+        if self.in_boundary is not None and self.in_boundary.has_shared_params:
+            self.in_boundary.receiver_load_params(self.transport.recv((self.replica, "params", self.in_boundary.index)))
+
+    # -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"stage": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "psgd": self.psgd.state_dict() if self.psgd else None,
+                "diloco": self.diloco.state_dict() if self.diloco else None,
+                "streaming": self.streaming.state_dict() if self.streaming else None,
+                # a posted sync is saved as its inputs (the collective is re-posted on load)
+                "in_flight": [(due, f, deltas) for due, f, deltas, _, _ in self.in_flight]}
+
+    def load_state_dict(self, state: dict) -> Generator:
+        """Restore; re-posting the in-flight syncs is a phase (it talks to the DP group)."""
+        self.stage.load_state_dict(state["stage"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        for obj, key in ((self.psgd, "psgd"), (self.diloco, "diloco"), (self.streaming, "streaming")):
+            if obj is not None and state.get(key) is not None:
+                obj.load_state_dict(state[key])
+        self.in_flight = []
+        for due, f, deltas in state.get("in_flight", []):
+            yield from self._post(due, f, deltas)
