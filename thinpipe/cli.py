@@ -44,13 +44,37 @@ def _validate_tasks(tasks: list[str]) -> None:
 
 
 def cmd_train(args) -> int:
-    from thinpipe.engine.trainer import train
-
     cfg = load_config(args.config, args.set)
     _validate_names(cfg)
+    if args.engine == "dist":
+        from thinpipe.engine.dist import check_supported, train_dist
+
+        check_supported(cfg)
+        if args.resume:
+            raise ConfigError("--resume is not supported by --engine dist yet")
+        summary = train_dist(cfg, args.out, progress=not args.quiet)
+        if summary is not None:
+            print_summary(summary, Path(args.out))
+        return 0
+    from thinpipe.engine.trainer import train
+
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
     print_summary(summary, Path(args.out))
     return 0
+
+
+def cmd_launch(args) -> int:
+    """torchrun on this machine: N processes of `thinpipe <args> --engine dist`."""
+    import subprocess
+
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
+    rest = [a for a in args.rest if a != "--"]
+    if not rest or rest[0] != "train":
+        raise ConfigError("thinpipe launch runs a training job: thinpipe launch --nproc N -- train --out DIR ...")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "thinpipe", *rest, "--engine", "dist"]
+    return subprocess.call(cmd)
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -159,7 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", required=True, help="run folder (config, metrics, summary, plot, checkpoint)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--engine", choices=["sim", "dist"], default="sim",
+                   help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun)")
     t.set_defaults(func=cmd_train)
+
+    la = sub.add_parser("launch", help="run a dist training job as N local processes (torchrun)")
+    la.add_argument("--nproc", type=int, required=True, help="processes = (mesh.dp + mesh.anchor) x mesh.pp")
+    la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train --out DIR --set ...")
+    la.set_defaults(func=cmd_launch)
 
     e = sub.add_parser("eval", help="log-likelihood multiple-choice evaluation (lm-eval formats)")
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")

@@ -1,0 +1,252 @@
+"""The fast circuit as real processes on torch.distributed (gloo on CPU, NCCL on GPU).
+
+Launched by torchrun (``torchrun --nproc-per-node N -m thinpipe train --engine dist ...`` or
+``thinpipe launch``): every process derives the same ``MeshLayout`` from the config, builds the
+model, keeps its own stage and the boundaries it touches, and runs one ``StageRank`` (the same
+object the simulation runs, DESIGN.md property 1) with a ``DistTransport`` for payloads and
+``DistGroup`` collectives for its stage's DP group and its replica's PP control group. Each
+rank runs its own row of the pipeline schedule; then the step's phases, waiting on each Work.
+
+Implemented here: dp x pp fast replicas, every boundary kind, every DP kind, both schedules, the
+held-out loss through the pipeline, metered bytes summed over ranks, per-rank checkpoints at the
+end. Not yet (use the simulation): the anchor circuit as processes, the PCA start, SSN basis
+refreshes, resume.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from thinpipe.boundary import Boundary, build_boundaries
+from thinpipe.boundary.link import receiver_forward, sender_forward
+from thinpipe.boundary.ssn import confine
+from thinpipe.comm import AXES, ByteMeter
+from thinpipe.comm.dist import DistTransport
+from thinpipe.comm.distgroup import DistGroup
+from thinpipe.config import Config, ConfigError
+from thinpipe.engine.context import make_contexts
+from thinpipe.engine.rank import StageRank
+from thinpipe.engine.schedule import SCHEDULES
+from thinpipe.engine.sim import DTYPES, wire_dtype
+from thinpipe.mesh import MeshLayout
+from thinpipe.optim import cosine_with_warmup
+
+CHANNELS = {"F": 1, "B": 2, "dparams": 3, "params": 4, "tied": 5, "E": 6}
+
+
+def check_supported(cfg: Config) -> None:
+    if cfg.mesh.anchor:
+        raise ConfigError("--engine dist runs the fast circuit only so far; the anchor circuit as processes is not "
+                          "implemented yet: run mesh.anchor = 1 in the simulation (the default engine)")
+    if cfg.boundary.init == "pca" and cfg.boundary.kind in ("mapl", "mapl-vq"):
+        raise ConfigError("--engine dist does not run the PCA start yet: use boundary.init = random or the simulation")
+    b = cfg.boundary
+    if b.kind == "ssn" and b.ssn_refresh_every and b.ssn_refresh_every <= cfg.train.steps:
+        raise ConfigError("--engine dist does not run SSN basis refreshes yet: set boundary.ssn_refresh_every = 0 "
+                          "or use the simulation")
+    if cfg.diag.every:
+        raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
+
+
+def router(layout: MeshLayout, me: int):
+    """A tag's peer: the other end of the link it names (boundary b: stages b and b+1; tied: first
+    and last stage), in the tag's replica row."""
+    def route(tag) -> int:
+        row, kind = tag[0], tag[1]
+        a, b = ((layout.grid[row][0], layout.grid[row][-1]) if kind == "tied"
+                else (layout.grid[row][tag[2]], layout.grid[row][tag[2] + 1]))
+        return b if me == a else a
+    return route
+
+
+def channel(tag) -> int:
+    return CHANNELS[tag[1]]
+
+
+class DistRun:
+    def __init__(self, cfg: Config):
+        from thinpipe.engine.trainer import build_data
+        from thinpipe.models import build_stages, load_model
+
+        self.cfg = cfg
+        t, m = cfg.train, cfg.mesh
+        self.rank, world = dist.get_rank(), dist.get_world_size()
+        self.layout = MeshLayout(m.dp, m.pp, m.anchor)
+        self.layout.check_world(world)
+        self.role = self.layout.role(self.rank)
+        torch.manual_seed(t.seed)
+        loaded = load_model(cfg.model.name, seed=t.seed)
+        self.tokenizer = loaded.tokenizer
+        self.train_ds, self.val_ds = build_data(cfg, loaded.tokenizer)
+        stages = build_stages(loaded.model, m.split or None, m.pp)
+        wire = wire_dtype(cfg)
+        self.bounds = build_boundaries(cfg.boundary, m.pp, loaded.model.config.hidden_size, t.seed, wire, loaded.model)
+        for b in self.bounds:
+            b.attach(stages[b.index], stages[b.index + 1])
+        if cfg.boundary.kind == "ssn" and m.pp > 1:
+            confine(stages, self.bounds[0].basis.U, self.bounds[0].token_fixed)
+        s = self.role.stage
+        self.stage = stages[s]
+        self.meter = ByteMeter()
+        # Every process creates every group, in the same order (torch.distributed requires it).
+        dp_groups = [dist.new_group(self.layout.dp_ranks(x)) for x in range(m.pp)]
+        pp_groups = [dist.new_group(self.layout.pp_ranks(r)) for r in range(self.layout.rows)]
+        route = router(self.layout, self.rank)
+        self.transport = DistTransport(route, channel, self.meter)
+        self.eval_transport = DistTransport(route, channel, ByteMeter())  # evaluation traffic is not training's
+        self.in_b = self.bounds[s - 1] if s else None
+        self.out_b = self.bounds[s] if s < m.pp - 1 else None
+        self.compute_dtype = DTYPES[t.dtype]
+        self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport,
+                            DistGroup(dp_groups[s], m.dp, self.meter, "dp"),
+                            DistGroup(pp_groups[self.role.replica], m.pp, self.meter, None), self.compute_dtype)
+        self.actions = SCHEDULES[t.schedule](m.pp, t.microbatches)[s]
+        self.step_index = 0
+
+    def lr_at(self, step: int) -> float:
+        t = self.cfg.train
+        return t.lr * cosine_with_warmup(step, t.steps, t.warmup_ratio, t.min_lr_ratio)
+
+    def train_step(self, batch: dict) -> float:
+        """This rank's share of one step; returns the step's training loss (mean over replicas), as
+        the simulation reports it."""
+        t = self.cfg.train
+        ctxs = make_contexts(batch, t.microbatches, self.step_index, self.role.replica)
+        worker = self.rk.worker
+        worker.losses.clear()
+        with torch.enable_grad():
+            for kind, mb in self.actions:
+                (worker.forward if kind == "F" else worker.backward)(ctxs[mb])
+        lr = self.lr_at(self.step_index)
+        for phase in (self.rk.exchange_boundary_grads(), self.rk.dp_sync(), self.rk.tied_sync(),
+                      self.rk.clip_and_step(lr, [], 0.0), self.rk.outer_steps(self.step_index),
+                      self.rk.broadcast_boundary_params()):
+            for work in phase:
+                work.wait()
+        self.transport.flush()
+        if self.cfg.boundary.kind == "ssn" and self.cfg.mesh.pp > 1:
+            confine([self.stage], self.bounds[0].basis.U, self.bounds[0].token_fixed)
+        self.step_index += 1
+        mine = sum(worker.losses) if self.stage.is_last else None
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        per_replica = [gathered[self.layout.grid[r][-1]] for r in range(self.cfg.mesh.dp)]
+        return sum(per_replica) / len(per_replica)
+
+    @torch.no_grad()
+    def validation_loss(self, batch_size: int) -> float:
+        """Replica 0's held-out loss, through its pipeline: dense boundaries unless the boundary is
+        part of the model (as the simulation evaluates)."""
+        val, total, n = self.val_ds, 0.0, 0
+        if self.role.replica == 0:
+            for i in range(0, len(val), batch_size):
+                batch = {"input_ids": val.input_ids[i:i + batch_size], "labels": val.labels[i:i + batch_size],
+                         "segment_ids": val.segment_ids[i:i + batch_size]}
+                ctx = make_contexts(batch, 1, self.step_index, 0)[0]
+                ctx.loss_scale = 1.0
+                tag = i // batch_size
+                if self.stage.is_first:
+                    x = ctx.input_ids
+                else:
+                    b = self._eval_boundary(self.in_b)
+                    _, x = receiver_forward(b, self.eval_transport.recv((0, "E", b.index, tag)), ctx, torch.float32)
+                with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+                    x = self.stage(x, ctx)
+                if self.stage.is_last:
+                    total += float(x)
+                    n += int((batch["labels"][:, 1:] != -100).sum())
+                else:
+                    b = self._eval_boundary(self.out_b)
+                    self.eval_transport.send((0, "E", b.index, tag), sender_forward(b, x, ctx)[1], "pp_fwd")
+            self.eval_transport.flush()
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, (total, n) if (self.role.replica == 0 and self.stage.is_last) else None)
+        total, n = out[self.layout.grid[0][-1]]
+        return total / max(n, 1)
+
+    @staticmethod
+    def _eval_boundary(b):
+        return b if b.architectural else Boundary(b.index, b.hidden_size, None)
+
+    def bytes_total(self) -> dict[str, int]:
+        out: list = [None] * dist.get_world_size()
+        dist.all_gather_object(out, self.meter.snapshot())
+        return {a: sum(o[a] for o in out) for a in AXES}
+
+
+def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | None:
+    """Run this process's rank of a distributed training run; rank 0 writes the run folder and
+    returns the summary (other ranks return None)."""
+    from thinpipe.data import batches
+    from thinpipe.engine.trainer import plot_losses
+
+    check_supported(cfg)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ConfigError("--engine dist must be started by torchrun (or `thinpipe launch --nproc N -- train ...`)")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    try:
+        run = DistRun(cfg)
+        t = cfg.train
+        out = Path(out)
+        lead = run.rank == 0
+        if lead:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.toml").write_text(cfg.to_toml())
+        stream = batches(run.train_ds, t.batch_size, t.seed, shard=run.role.replica,
+                         num_shards=cfg.mesh.dp + cfg.mesh.anchor)
+        val_points = [(0, run.validation_loss(t.batch_size))]
+        metrics = []
+        tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
+        wall0 = time.perf_counter()
+        for step in range(t.steps):
+            loss = run.train_step(next(stream))
+            if not math.isfinite(loss):
+                raise RuntimeError(f"training diverged at step {step}: loss = {loss}")
+            row = {"step": step, "loss": loss, "lr": run.lr_at(step), "tokens": (step + 1) * tokens_per_step,
+                   "grad_norm": run.rk.last_grad_norm, "wall_s": time.perf_counter() - wall0}
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
+                row["val_loss"] = run.validation_loss(t.batch_size)
+                val_points.append((step + 1, row["val_loss"]))
+            metrics.append(row)
+            if lead and progress:
+                print(f"[rank 0] step {step + 1}/{t.steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+        wall = time.perf_counter() - wall0
+        final = run.validation_loss(t.batch_size)
+        val_points.append((t.steps, final))
+        totals = run.bytes_total()
+        ckpt = out / "checkpoint"
+        if lead:
+            ckpt.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        from thinpipe.engine.trainer import _atomic_save
+        _atomic_save({"step": run.step_index, "role": run.role.__dict__, "rank": run.rk.state_dict(),
+                      "boundaries": {b.index: b.state_dict() for b in (run.in_b, run.out_b) if b is not None}},
+                     ckpt / f"rank{run.rank}.pt")
+        if not lead:
+            return None
+        tokens = t.steps * tokens_per_step
+        summary = {"engine": "dist", "world_size": dist.get_world_size(), "steps": t.steps, "tokens": tokens,
+                   "initial_val_loss": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
+                   "final_val_loss": final, "val_ppl": math.exp(final),
+                   **{f"{a}_bytes": totals[a] for a in AXES},
+                   "bytes_per_token": {a: totals[a] / tokens for a in AXES},
+                   "header_bytes_rank0": run.transport.header_bytes,
+                   "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "val_points": val_points}
+        with open(out / "metrics.jsonl", "w") as f:
+            for m in metrics:
+                f.write(json.dumps(m) + "\n")
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_losses(metrics, val_points, out / "loss.png",
+                    f"{cfg.model.name}: dist {cfg.mesh.dp}x{cfg.mesh.pp} {cfg.boundary.kind}")
+        return summary
+    finally:
+        dist.destroy_process_group()
