@@ -121,7 +121,7 @@ def test_bad_input_through_the_real_entry_point():
 def test_demo_quick_runs_all_arms(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    for arm in ("Dense", "M95", "M95+AP"):
+    for arm in ("Dense", "M95", "M95+AP", "M95 norescale (variant)"):
         assert f"\n{arm} " in out
     assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()
 
