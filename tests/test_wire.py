@@ -70,14 +70,16 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
         p = Payload({"z": torch.randn(2, 3, 5).to(torch.bfloat16), "ids": torch.arange(6, dtype=torch.int16).view(2, 3),
                      "mask": torch.rand(4) > 0.5, "big": torch.randn(250_000)})
         meter = ByteMeter()
+        link = ShapedLink(rate_mbps=80.0)
         t = DistTransport(lambda tag: 1 - rank, lambda tag: 1 if tag == "F" else 2, meter,
-                          links={"pp_fwd": ShapedLink(rate_mbps=80.0)})
+                          lambda axis, peer: link if axis == "pp_fwd" else None)
         if rank == 0:
             t0 = time.perf_counter()
             t.send("F", p, "pp_fwd")
+            handed = time.perf_counter() - t0   # the sender thread holds the message, not the caller
             t.flush()
             back = t.recv("B")
-            print("elapsed", time.perf_counter() - t0, "bytes", meter.totals["pp_fwd"], flush=True)
+            print("elapsed", time.perf_counter() - t0, "bytes", meter.totals["pp_fwd"], "handed", handed, flush=True)
             assert torch.equal(back.tensors["g"], torch.full((3,), 7, dtype=torch.int64))
         else:
             got = t.recv("F")
@@ -96,6 +98,7 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
     line = outs[0][0].split()
-    elapsed, nbytes = float(line[1]), int(line[3])
+    elapsed, nbytes, handed = float(line[1]), int(line[3]), float(line[5])
     assert nbytes == 2 * 3 * 5 * 2 + 6 * 2 + 4 + 250_000 * 4
     assert elapsed >= nbytes * 8 / 80e6          # ~0.1 s at 80 Mbit/s: never faster than size / rate
+    assert handed < 0.5 * nbytes * 8 / 80e6      # and the sender was free to compute meanwhile

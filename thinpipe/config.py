@@ -364,6 +364,24 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class LinkConfig:
+    pp_mbps: float = 0.0
+    """Bandwidth of every PP link (each direction of each stage pair), Mbit/s; 0 = unshaped. The
+    distributed engine enforces it in the transport (token bucket); the simulation ignores it."""
+    pp_latency_ms: float = 0.0
+    """One-way latency added to every PP message, ms."""
+    dp_mbps: float = 0.0
+    """Bandwidth of each rank's DP link, Mbit/s (a ring all-reduce moves 2 (n-1)/n of the tensor)."""
+    dp_latency_ms: float = 0.0
+    """Latency per ring hop of a DP collective, ms (2 (n-1) hops per all-reduce)."""
+
+    def validate(self) -> None:
+        for name in ("pp_mbps", "pp_latency_ms", "dp_mbps", "dp_latency_ms"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"link.{name} must be >= 0 (0 = unshaped), got {getattr(self, name)}")
+
+
+@dataclass(kw_only=True, slots=True)
 class DiagConfig:
     every: int = 0
     """Every N steps, also compute the clean (unmasked) gradient at the same weights and batch and
@@ -400,6 +418,7 @@ class Config:
     dp: DPConfig = field(default_factory=DPConfig)
     anchor: AnchorConfig = field(default_factory=AnchorConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 

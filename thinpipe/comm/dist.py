@@ -8,10 +8,17 @@ every tensor as raw bytes (any dtype crosses bit-exactly, integer payloads inclu
 asynchronous (``isend``): a stage never deadlocks against a neighbour that is sending to it at the
 same time (1F1B); ``flush()`` waits for them. Bytes are metered per axis from the payload, as in the
 simulation; the header overhead is counted apart in ``header_bytes``.
+
+Shaped links (``link_for(axis, peer)`` returns a ``ShapedLink`` or None): the message is handed to
+a sender thread that holds it for the link's transfer time and latency before posting it, so the
+stage computes on while its message is "on the wire", as with a real NIC; messages to one peer
+keep their order.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Hashable
 
 import torch
@@ -30,21 +37,46 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class DistTransport:
     def __init__(self, route: Callable[[Hashable], int], channel: Callable[[Hashable], int], meter: ByteMeter,
-                 links: dict[str, ShapedLink] | None = None, group=None):
+                 link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None):
         self.route, self.channel, self.meter = route, channel, meter
-        self.links = links or {}
+        self.link_for = link_for or (lambda axis, peer: None)
         self.group = group
         self.header_bytes = 0
         self._pending: list[tuple[object, torch.Tensor]] = []
+        self._lock = threading.Lock()
+        self._queue: queue.Queue | None = None
+        self._error: BaseException | None = None
+
+    def _post(self, peer: int, ch: int, parts: list[torch.Tensor]) -> None:
+        works = [(dist.isend(part, peer, group=self.group, tag=ch), part) for part in parts]
+        with self._lock:
+            self._pending.extend(works)
+
+    def _sender(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            link, nbytes, peer, ch, parts = item
+            try:
+                link.wait(nbytes)
+                self._post(peer, ch, parts)
+            except BaseException as e:  # surfaced by flush() on the main thread
+                self._error = e
+            finally:
+                self._queue.task_done()
 
     def send(self, tag: Hashable, payload: Payload, axis: str) -> None:
         peer, ch = self.route(tag), self.channel(tag)
-        link = self.links.get(axis)
-        if link is not None:
-            link.wait(payload.nbytes + HEADER_BYTES)
         parts = [encode_header(payload)] + [_as_bytes(t) for t in payload.tensors.values()]
-        for part in parts:
-            self._pending.append((dist.isend(part, peer, group=self.group, tag=ch), part))
+        link = self.link_for(axis, peer)
+        if link is None:
+            self._post(peer, ch, parts)
+        else:
+            if self._queue is None:
+                self._queue = queue.Queue()
+                threading.Thread(target=self._sender, daemon=True, name="thinpipe-link").start()
+            self._queue.put((link, payload.nbytes + HEADER_BYTES, peer, ch, parts))
         self.meter.add(axis, payload.nbytes)
         self.header_bytes += HEADER_BYTES
 
@@ -64,7 +96,16 @@ class DistTransport:
         return Payload(tensors)
 
     def flush(self) -> None:
-        """Wait for every send posted so far (their buffers may then be reused)."""
-        for work, _ in self._pending:
+        """Wait for every send handed over so far to be posted and completed."""
+        if self._queue is not None:
+            self._queue.join()
+        if self._error is not None:
+            raise RuntimeError(f"a shaped send failed: {self._error}") from self._error
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for work, _ in pending:
             work.wait()
-        self._pending.clear()
+
+    def close(self) -> None:
+        if self._queue is not None:
+            self._queue.put(None)

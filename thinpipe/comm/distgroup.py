@@ -5,9 +5,16 @@ result, so a rank can overlap it with compute); ``all_gather`` returns every mem
 group order (members may hold tensors of different sizes: gathered as objects). Bytes are metered
 with the same ring formulas as ``InProcessGroup`` so the two engines report the same totals;
 ``axis`` None is a control group (not metered).
+
+A shaped group (``rate_mbps`` > 0) models a ring all-reduce over links of that rate: the
+collective is posted at once, but its ``Work`` completes no earlier than post time + 2 (n-1)/n x
+bytes / rate + 2 (n-1) x latency, so a caller that waits later (Streaming DiLoCo's overlap) finds
+it done, and one that waits at once pays the transfer.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -23,16 +30,41 @@ class _Done:
         return True
 
 
+class _Timed:
+    """A Work that also waits until the modelled transfer is over."""
+
+    def __init__(self, work, ready_at: float):
+        self.work, self.ready_at = work, ready_at
+
+    def wait(self) -> None:
+        self.work.wait()
+        delay = self.ready_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed() and time.perf_counter() >= self.ready_at
+
+
 class DistGroup:
-    def __init__(self, group, size: int, meter: ByteMeter, axis: str | None):
+    def __init__(self, group, size: int, meter: ByteMeter, axis: str | None, rate_mbps: float = 0.0,
+                 latency_ms: float = 0.0):
         self.group, self.size, self.meter, self.axis = group, size, meter, axis
+        self.rate_mbps, self.latency_ms = rate_mbps, latency_ms
+        self._free_at = 0.0
 
     def all_reduce(self, rank: int, tensor: torch.Tensor):
+        nbytes = 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size
         if self.axis is not None:
-            self.meter.add(self.axis, 2 * (self.size - 1) * tensor.numel() * tensor.element_size() // self.size)
+            self.meter.add(self.axis, nbytes)
         if self.size == 1:
             return _Done()
-        return dist.all_reduce(tensor, group=self.group, async_op=True)
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        if not self.rate_mbps and not self.latency_ms:
+            return work
+        start = max(time.perf_counter(), self._free_at)
+        self._free_at = start + (nbytes * 8 / (self.rate_mbps * 1e6) if self.rate_mbps else 0.0)
+        return _Timed(work, self._free_at + 2 * (self.size - 1) * self.latency_ms / 1e3)
 
     def all_gather(self, rank: int, tensor: torch.Tensor):
         if self.axis is not None:

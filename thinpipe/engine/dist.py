@@ -31,6 +31,7 @@ from thinpipe.boundary.ssn import confine
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.dist import DistTransport
 from thinpipe.comm.distgroup import DistGroup
+from thinpipe.comm.shaped import ShapedLink
 from thinpipe.config import Config, ConfigError
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.rank import StageRank
@@ -100,13 +101,22 @@ class DistRun:
         dp_groups = [dist.new_group(self.layout.dp_ranks(x)) for x in range(m.pp)]
         pp_groups = [dist.new_group(self.layout.pp_ranks(r)) for r in range(self.layout.rows)]
         route = router(self.layout, self.rank)
-        self.transport = DistTransport(route, channel, self.meter)
+        lk = cfg.link
+        links: dict[int, ShapedLink] = {}
+
+        def link_for(axis: str, peer: int) -> ShapedLink | None:
+            # one outgoing link per peer, shared by everything this rank sends it (PP axes)
+            if axis in ("pp_fwd", "pp_bwd", "pp_params", "tied") and (lk.pp_mbps or lk.pp_latency_ms):
+                return links.setdefault(peer, ShapedLink(lk.pp_mbps, lk.pp_latency_ms))
+            return None
+
+        self.transport = DistTransport(route, channel, self.meter, link_for)
         self.eval_transport = DistTransport(route, channel, ByteMeter())  # evaluation traffic is not training's
         self.in_b = self.bounds[s - 1] if s else None
         self.out_b = self.bounds[s] if s < m.pp - 1 else None
         self.compute_dtype = DTYPES[t.dtype]
         self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport,
-                            DistGroup(dp_groups[s], m.dp, self.meter, "dp"),
+                            DistGroup(dp_groups[s], m.dp, self.meter, "dp", lk.dp_mbps, lk.dp_latency_ms),
                             DistGroup(pp_groups[self.role.replica], m.pp, self.meter, None), self.compute_dtype)
         self.actions = SCHEDULES[t.schedule](m.pp, t.microbatches)[s]
         self.step_index = 0
@@ -249,4 +259,6 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | No
                     f"{cfg.model.name}: dist {cfg.mesh.dp}x{cfg.mesh.pp} {cfg.boundary.kind}")
         return summary
     finally:
+        if "run" in locals():
+            run.transport.close()
         dist.destroy_process_group()
