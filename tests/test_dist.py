@@ -6,6 +6,7 @@ training loss, final held-out loss and metered bytes per axis must equal the sim
 
 import json
 import os
+from pathlib import Path
 import subprocess
 import sys
 
@@ -56,3 +57,40 @@ def test_wrong_process_count_is_a_clear_error(tmp_path):
                         str(tmp_path / "x"), "--quiet", *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1]],
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "needs 4 processes, but 3 were started" in r.stderr
+
+
+def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
+    """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
+    dead rank (torchrun's root cause) and its role (each rank's start-up line)."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", "4", "--", "train", "--out", str(tmp_path / "f"),
+            *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1], "--set", "train.steps=100000"]
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    out = []
+    try:
+        while True:  # wait until every rank has started training (its role line is printed)
+            line = proc.stdout.readline()
+            out.append(line)
+            if sum("[thinpipe rank" in x for x in out) == 4 or not line:
+                break
+        time.sleep(3)
+        victims = subprocess.run(["pgrep", "-f", f"thinpipe train --out {tmp_path / 'f'}"], capture_output=True,
+                                 text=True).stdout.split()
+        ranks = [int(v) for v in victims if int(v) != proc.pid
+                 and b"torch.distributed.run" not in Path(f"/proc/{v}/cmdline").read_bytes()]
+        assert len(ranks) >= 4
+        t0 = time.time()
+        os.kill(max(ranks), signal.SIGKILL)
+        rest, _ = proc.communicate(timeout=60)
+        elapsed = time.time() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(out) + rest
+    assert proc.returncode != 0 and elapsed < 60
+    assert "Root Cause" in text and "SIGKILL" in text
+    assert "stage 1" in text and "fast replica" in text

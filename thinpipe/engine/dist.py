@@ -15,6 +15,7 @@ refreshes, resume.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -202,9 +203,17 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | No
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ConfigError("--engine dist must be started by torchrun (or `thinpipe launch --nproc N -- train ...`)")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # A peer that dies leaves the others blocked in a receive or collective: they give up after
+        # this many seconds with an error instead of hanging (torchrun tears a local job down sooner).
+        timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     try:
         run = DistRun(cfg)
+        role = run.role
+        print(f"[thinpipe rank {run.rank}/{dist.get_world_size()}] {role.circuit} replica {role.replica}, "
+              f"stage {role.stage} (layers {run.stage.first_layer}-{run.stage.first_layer + len(run.stage.layers) - 1})",
+              file=sys.stderr, flush=True)
         t = cfg.train
         out = Path(out)
         lead = run.rank == 0
