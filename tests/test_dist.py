@@ -48,7 +48,7 @@ def test_dist_equals_sim(case, tmp_path):
                         str(dist_out), "--quiet", *BASE, *args], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(dist_out) == results(sim)
-    assert len(list((dist_out / "checkpoint").glob("rank*.pt"))) == nproc
+    assert len(list((dist_out / "checkpoint").glob("step*/rank*.pt"))) == nproc
 
 
 def test_wrong_process_count_is_a_clear_error(tmp_path):
@@ -94,3 +94,43 @@ def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     assert proc.returncode != 0 and elapsed < 60
     assert "Root Cause" in text and "SIGKILL" in text
     assert "stage 1" in text and "fast replica" in text
+
+
+@pytest.mark.parametrize("case", ["tied Qwen2 + Streaming DiLoCo in flight, GPipe", "MAPL-VQ, 3 stages"])
+def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case, tmp_path):
+    nproc, args = CASES[case]
+    args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(out, *extra, **env_extra):
+        return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
+                               "--out", str(out), "--quiet", *args, *extra], env={**env, **env_extra},
+                              capture_output=True, text=True, timeout=300)
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert launch(full).returncode == 0
+    crashed = launch(part, THINPIPE_FAULT_AT_STEP="4")
+    assert crashed.returncode != 0 and "injected fault at step 4" in crashed.stderr
+    r = launch(part, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(part) == results(full)
+
+
+def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    nproc, args = CASES["mask + PowerSGD, 2 replicas x 2 stages"]
+    args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(out, *extra, **env_extra):
+        return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
+                               "--out", str(out), "--quiet", *args, *extra], env={**env, **env_extra},
+                              capture_output=True, text=True, timeout=300)
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert launch(full).returncode == 0
+    crashed = launch(part, THINPIPE_FAULT_AT_CHECKPOINT="4")   # the last rank dies after writing step 4's file
+    assert crashed.returncode != 0
+    assert json.loads((part / "checkpoint" / "latest.json").read_text())["step"] == 2
+    r = launch(part, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(part) == results(full)

@@ -50,9 +50,7 @@ def cmd_train(args) -> int:
         from thinpipe.engine.dist import check_supported, train_dist
 
         check_supported(cfg)
-        if args.resume:
-            raise ConfigError("--resume is not supported by --engine dist yet")
-        summary = train_dist(cfg, args.out, progress=not args.quiet)
+        summary = train_dist(cfg, args.out, progress=not args.quiet, resume=args.resume)
         if summary is not None:
             print_summary(summary, Path(args.out))
         return 0

@@ -9,8 +9,8 @@ rank runs its own row of the pipeline schedule; then the step's phases, waiting 
 
 Implemented here: dp x pp fast replicas, every boundary kind, every DP kind, both schedules, the
 held-out loss through the pipeline, metered bytes summed over ranks, per-rank checkpoints at the
-end. Not yet (use the simulation): the anchor circuit as processes, the PCA start, SSN basis
-refreshes, resume.
+end and every ``train.checkpoint_every`` steps, ``--resume``. Not yet (use the simulation): the
+anchor circuit as processes, the PCA start, SSN basis refreshes.
 """
 
 from __future__ import annotations
@@ -187,15 +187,67 @@ class DistRun:
     def _eval_boundary(b):
         return b if b.architectural else Boundary(b.index, b.hidden_size, None)
 
+    def save_checkpoint(self, folder: Path, val_points: list, metrics: list) -> None:
+        """Every rank writes ``step{N}/rank{r}.pt`` atomically; once all have (barrier), rank 0 points
+        ``latest.json`` at step N and removes older sets. A crash at any moment leaves
+        ``latest.json`` naming a complete set."""
+        import shutil
+
+        from thinpipe.engine.trainer import _atomic_save
+
+        step_dir = folder / f"step{self.step_index}"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        _atomic_save({"step": self.step_index, "role": self.role.__dict__, "rank": self.rk.state_dict(),
+                      "boundaries": {b.index: b.state_dict() for b in (self.in_b, self.out_b) if b is not None},
+                      "bytes": self.meter.snapshot(), "val_points": val_points, "metrics": metrics},
+                     step_dir / f"rank{self.rank}.pt")
+        if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(self.step_index) and self.rank == dist.get_world_size() - 1:
+            raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {self.step_index}")
+        dist.barrier()
+        if self.rank == 0:
+            tmp = folder / "latest.json.tmp"
+            tmp.write_text(json.dumps({"step": self.step_index, "world_size": dist.get_world_size()}))
+            os.replace(tmp, folder / "latest.json")
+            for old in folder.glob("step*"):
+                if old.is_dir() and old != step_dir:
+                    shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+
+    def load_checkpoint(self, folder: Path) -> dict:
+        marker = folder / "latest.json"
+        if not marker.is_file():
+            raise ConfigError(f"--resume: no complete checkpoint in {folder} (no latest.json); start without --resume")
+        latest = json.loads(marker.read_text())
+        if latest["world_size"] != dist.get_world_size():
+            raise ConfigError(f"--resume: the checkpoint was written by {latest['world_size']} ranks, this job has "
+                              f"{dist.get_world_size()}")
+        state = torch.load(folder / f"step{latest['step']}" / f"rank{self.rank}.pt", weights_only=False)
+        self.step_index = state["step"]
+        for b in (self.in_b, self.out_b):
+            if b is not None:
+                b.load_state_dict(state["boundaries"][b.index])
+        for work in self.rk.load_state_dict(state["rank"]):
+            work.wait()
+        # The receiver's copy of shared boundary parameters equals the owner's again (not metered:
+        # a resume re-sync, not training traffic).
+        if self.out_b is not None and self.out_b.has_shared_params:
+            self.eval_transport.send((self.role.replica, "params", self.out_b.index), self.out_b.owner_params(), "pp_params")
+        if self.in_b is not None and self.in_b.has_shared_params:
+            self.in_b.receiver_load_params(self.eval_transport.recv((self.role.replica, "params", self.in_b.index)))
+        self.eval_transport.flush()
+        self.meter.totals.update(state["bytes"])
+        return state
+
     def bytes_total(self) -> dict[str, int]:
         out: list = [None] * dist.get_world_size()
         dist.all_gather_object(out, self.meter.snapshot())
         return {a: sum(o[a] for o in out) for a in AXES}
 
 
-def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | None:
+def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool = False) -> dict | None:
     """Run this process's rank of a distributed training run; rank 0 writes the run folder and
-    returns the summary (other ranks return None)."""
+    returns the summary (other ranks return None). ``resume`` continues from the per-rank
+    checkpoints in ``out/checkpoint`` (the same trajectory as an uninterrupted run)."""
     from thinpipe.data import batches
     from thinpipe.engine.trainer import plot_losses
 
@@ -217,16 +269,25 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | No
         t = cfg.train
         out = Path(out)
         lead = run.rank == 0
+        ckpt = out / "checkpoint"
         if lead:
-            out.mkdir(parents=True, exist_ok=True)
+            ckpt.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(cfg.to_toml())
+        dist.barrier()
+        val_points, metrics, start = [], [], 0
+        if resume:
+            state = run.load_checkpoint(ckpt)
+            start, val_points, metrics = state["step"], state["val_points"], state["metrics"]
         stream = batches(run.train_ds, t.batch_size, t.seed, shard=run.role.replica,
-                         num_shards=cfg.mesh.dp + cfg.mesh.anchor)
-        val_points = [(0, run.validation_loss(t.batch_size))]
-        metrics = []
+                         num_shards=cfg.mesh.dp + cfg.mesh.anchor, start_step=start)
+        if not val_points:
+            val_points = [(0, run.validation_loss(t.batch_size))]
         tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
-        wall0 = time.perf_counter()
-        for step in range(t.steps):
+        fault_at = int(os.environ.get("THINPIPE_FAULT_AT_STEP", "-1"))  # crash-recovery tests only
+        wall0 = time.perf_counter() - (metrics[-1]["wall_s"] if metrics else 0.0)
+        for step in range(start, t.steps):
+            if step == fault_at:
+                raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
             loss = run.train_step(next(stream))
             if not math.isfinite(loss):
                 raise RuntimeError(f"training diverged at step {step}: loss = {loss}")
@@ -238,18 +299,13 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True) -> dict | No
             metrics.append(row)
             if lead and progress:
                 print(f"[rank 0] step {step + 1}/{t.steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                run.save_checkpoint(ckpt, val_points, metrics)
         wall = time.perf_counter() - wall0
         final = run.validation_loss(t.batch_size)
         val_points.append((t.steps, final))
         totals = run.bytes_total()
-        ckpt = out / "checkpoint"
-        if lead:
-            ckpt.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        from thinpipe.engine.trainer import _atomic_save
-        _atomic_save({"step": run.step_index, "role": run.role.__dict__, "rank": run.rk.state_dict(),
-                      "boundaries": {b.index: b.state_dict() for b in (run.in_b, run.out_b) if b is not None}},
-                     ckpt / f"rank{run.rank}.pt")
+        run.save_checkpoint(ckpt, val_points, metrics)
         if not lead:
             return None
         tokens = t.steps * tokens_per_step
