@@ -265,7 +265,20 @@ class SimMesh:
                 # boundary state beyond the stages' parameters (codebooks, the SSN basis, copies)
                 "boundaries": [[b.state_dict() for b in bounds] for bounds in self.replica_boundaries]}
 
+    @staticmethod
+    def _ranks_from_v1(state: dict) -> list[list[dict]]:
+        """Checkpoints written before the per-rank layout (one list per kind of state) -> per rank."""
+        def at(key, r, s):
+            rows = state.get(key)
+            return rows[r][s] if rows else None
+        return [[{"stage": sd, "optimizer": state["optimizers"][r][s], "psgd": at("psgd", r, s),
+                  "diloco": at("diloco", r, s), "streaming": at("streaming", r, s),
+                  "in_flight": [(due, f, deltas[r]) for due, f, s2, deltas in state.get("in_flight", []) if s2 == s]}
+                 for s, sd in enumerate(row)] for r, row in enumerate(state["stages"])]
+
     def load_state_dict(self, state: dict) -> None:
+        if "ranks" not in state:
+            state = {**state, "ranks": self._ranks_from_v1(state)}
         self.step_index = state["step"]
         self.priors_consumed = state["priors_consumed"]
         if self.anchor is not None:
