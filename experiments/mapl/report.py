@@ -22,6 +22,13 @@ from run import ALIASES, SUITES  # noqa: E402
 # Table 1's reference for each suite (its own model, P and recipe).
 REFERENCE = {"main": "Uncompressed", "table5": "Uncompressed", "table6": "Uncompressed", "p8": "Uncompressed P8"}
 EXTRA = {"table5": ["spel r32"], "table6": ["anchor factorized r32"]}
+# The adaptation suite uses the anchor-priors recipe exactly: its Dense and masking arms are the
+# comparison at equal PP bytes (M95: 29 values per token and direction; MAPL r = 28 + token ids).
+ANCHOR = Path(__file__).resolve().parents[1] / "anchor_priors" / "results"
+EXTERNAL = {"adapt": {"Dense (anchor_priors)": ANCHOR / "Dense", "M95 (anchor_priors)": ANCHOR / "M95",
+                      "M95+AP (anchor_priors)": ANCHOR / "M95pAP",
+                      "M95 norescale (anchor_priors)": ANCHOR / "M95_norescale"}}
+REFERENCE["adapt"] = "Dense (anchor_priors)"
 
 
 def pp_bpt(s: dict, params: bool = True) -> float:
@@ -72,9 +79,10 @@ def main() -> None:
     report, md = {}, []
     for suite, arms in SUITES.items():
         names = list(arms) + EXTRA.get(suite, [])
+        external = {a: r for a, folder in EXTERNAL.get(suite, {}).items() if (r := load_results(folder)) is not None}
         ref_name = REFERENCE.get(suite)
-        ref = load_results(arm_dir(out, ref_name, ALIASES)) if ref_name else None
-        results = {a: r for a in names if (r := load_results(arm_dir(out, a, ALIASES))) is not None}
+        ref = external.get(ref_name) or (load_results(arm_dir(out, ref_name, ALIASES)) if ref_name else None)
+        results = {**external, **{a: r for a in names if (r := load_results(arm_dir(out, a, ALIASES))) is not None}}
         if ref is not None and ref_name not in results:
             results = {ref_name: ref, **results}
         if not results:
