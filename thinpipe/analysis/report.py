@@ -86,13 +86,14 @@ def plot_analysis(result: dict, out: Path, title: str) -> list[Path]:
         if angles:
             im = ax[0].imshow(angles, vmin=0, vmax=90, cmap="viridis")
             fig.colorbar(im, ax=ax[0])
-            ax[0].set(title="mean principal angle, degrees (Fig. 4a)", xlabel="boundary", ylabel="boundary")
+            ax[0].set(title="mean principal angle, degrees (Fig. 4a)", xlabel="boundary", ylabel="boundary",
+                      xticks=range(len(angles)), yticks=range(len(angles)))
         idx = [r["index"] for r in with_proj]
         w = 0.27
         ax[1].bar([i - w for i in idx], [r["captured_energy"] for r in with_proj], w, label="this run's projector")
         ax[1].bar(idx, [r["captured_energy_fixed_random"] for r in with_proj], w, label="fixed random basis")
         ax[1].bar([i + w for i in idx], [r["captured_energy_best"] for r in with_proj], w, label="top-r PCA (bound)")
-        ax[1].set(title="captured energy ||XA||^2/||X||^2 (Fig. 4b)", xlabel="boundary", ylim=(0, 1))
+        ax[1].set(title="captured energy ||XA||^2/||X||^2 (Fig. 4b)", xlabel="boundary", ylim=(0, 1), xticks=idx)
         ax[1].legend(fontsize=7)
         r0 = with_proj[0]
         ax[2].scatter(r0["cosine_pairs"]["full"], r0["cosine_pairs"]["projected"], s=3, alpha=0.4)
