@@ -1,6 +1,6 @@
 """MAPL at small scale (MAPL Tables 1, 5, 6 and beyond): every arm token-matched.
 
-Pretraining suites: the `small-llama` preset (hidden 128, 8 layers, byte-level vocab 512, 1.6 M
+Pretraining suites: the `small-llama` preset (hidden 128, 8 layers, byte-level vocab 512, 1.7 M
 parameters) from scratch on the MATH training text, P = 4 stages (P = 8 in `p8`), Muon (Polar
 Express) for hidden matrices + AdamW at 0.5x for the rest (MAPL App. E.3), 200 steps of 16 x 256
 tokens (819,200 tokens per arm). Ranks scale Table 1's to d = 128: r = 32 (4x vs bf16) and r = 16 (8x).

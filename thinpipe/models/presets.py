@@ -1,7 +1,7 @@
 """Built-in model presets.
 
 ``tiny-*`` presets are random-init models for tests (vocab 512, hidden 64, 4 layers) that pair with
-the byte-level tokenizer. ``small-llama`` (hidden 128, 8 layers, 1.6 M parameters, same tokenizer)
+the byte-level tokenizer. ``small-llama`` (hidden 128, 8 layers, 1.7 M parameters, same tokenizer)
 is the from-scratch pretraining model of the MAPL experiments: the largest that trains hundreds of
 steps per arm in minutes on two CPU cores. ``tiny-llama`` unties its embeddings, ``tiny-qwen2`` ties them (as
 Qwen2-0.5B does) so that both weight layouts are exercised by the equivalence tests.
