@@ -67,7 +67,7 @@ def plot(name: str, results: dict[str, dict], path: Path) -> None:
             ax[1].plot(xs, [sum(e["fixed"]) / len(e["fixed"]) for _, e in energy], ":", color=line.get_color())
     ax[0].set(xlabel="step", ylabel="held-out loss", title=f"{name}: held-out loss")
     ax[1].set(xlabel="step", ylabel="||X A||² / ||X||² (mean over boundaries)",
-              title="captured energy: learned (solid) vs fixed random (dotted)", ylim=(0, 1))
+              title="captured energy: learned (solid) vs fixed random (dotted)", ylim=(0, 1.05))
     save_figure(fig, ax, path)
 
 
