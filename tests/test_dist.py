@@ -32,6 +32,13 @@ CASES = {
 }
 
 
+def launch(nproc: int, out, args: list[str], *extra: str, **env_extra: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
+                           "--out", str(out), "--quiet", *args, *extra], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
 def results(folder):
     s = json.loads((folder / "summary.json").read_text())
     losses = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -43,19 +50,14 @@ def test_dist_equals_sim(case, tmp_path):
     nproc, args = CASES[case]
     sim, dist_out = tmp_path / "sim", tmp_path / "dist"
     assert main(["train", "--out", str(sim), "--quiet", *BASE, *args]) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out",
-                        str(dist_out), "--quiet", *BASE, *args], env=env, capture_output=True, text=True, timeout=300)
+    r = launch(nproc, dist_out, [*BASE, *args])
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(dist_out) == results(sim)
     assert len(list((dist_out / "checkpoint").glob("step*/rank*.pt"))) == nproc
 
 
 def test_wrong_process_count_is_a_clear_error(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", "3", "--", "train", "--out",
-                        str(tmp_path / "x"), "--quiet", *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1]],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = launch(3, tmp_path / "x", [*BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1]])
     assert r.returncode != 0 and "needs 4 processes, but 3 were started" in r.stderr
 
 
@@ -100,18 +102,11 @@ def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
 def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case, tmp_path):
     nproc, args = CASES[case]
     args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def launch(out, *extra, **env_extra):
-        return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
-                               "--out", str(out), "--quiet", *args, *extra], env={**env, **env_extra},
-                              capture_output=True, text=True, timeout=300)
-
     full, part = tmp_path / "full", tmp_path / "part"
-    assert launch(full).returncode == 0
-    crashed = launch(part, THINPIPE_FAULT_AT_STEP="4")
+    assert launch(nproc, full, args).returncode == 0
+    crashed = launch(nproc, part, args, THINPIPE_FAULT_AT_STEP="4")
     assert crashed.returncode != 0 and "injected fault at step 4" in crashed.stderr
-    r = launch(part, "--resume")
+    r = launch(nproc, part, args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(part) == results(full)
 
@@ -119,18 +114,11 @@ def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case,
 def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoint(tmp_path):
     nproc, args = CASES["mask + PowerSGD, 2 replicas x 2 stages"]
     args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=2"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def launch(out, *extra, **env_extra):
-        return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
-                               "--out", str(out), "--quiet", *args, *extra], env={**env, **env_extra},
-                              capture_output=True, text=True, timeout=300)
-
     full, part = tmp_path / "full", tmp_path / "part"
-    assert launch(full).returncode == 0
-    crashed = launch(part, THINPIPE_FAULT_AT_CHECKPOINT="4")   # the last rank dies after writing step 4's file
+    assert launch(nproc, full, args).returncode == 0
+    crashed = launch(nproc, part, args, THINPIPE_FAULT_AT_CHECKPOINT="4")  # the last rank dies after writing step 4
     assert crashed.returncode != 0
     assert json.loads((part / "checkpoint" / "latest.json").read_text())["step"] == 2
-    r = launch(part, "--resume")
+    r = launch(nproc, part, args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(part) == results(full)

@@ -22,6 +22,7 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.boundary.base import Payload
 from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
 from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
 from thinpipe.engine.worker import StageWorker
@@ -94,12 +95,11 @@ class StageRank:
         p = self.tied_param
         if p is None:
             return
-        from thinpipe.boundary.base import Payload
-
-        peer = "last" if self.stage.is_first else "first"
-        self.transport.send((self.replica, "tied", peer), Payload({"g": p.grad.detach().clone()}), "tied")
+        # tags name the receiving end, so the two messages of the exchange stay distinct
+        to_peer, to_me = ("last", "first") if self.stage.is_first else ("first", "last")
+        self.transport.send((self.replica, "tied", to_peer), Payload({"g": p.grad.detach().clone()}), "tied")
         yield DONE
-        other = self.transport.recv((self.replica, "tied", "first" if self.stage.is_first else "last")).tensors["g"]
+        other = self.transport.recv((self.replica, "tied", to_me)).tensors["g"]
         # The same sum on both ends (embedding's + head's), so the two copies stay equal bitwise.
         total = p.grad + other if self.stage.is_first else other + p.grad
         p.grad.copy_(total)
