@@ -38,3 +38,11 @@ def sender_backward(boundary: Boundary, z: torch.Tensor, payload: Payload, ctx) 
     """Sender: continue the backward from z with the decoded gradient."""
     g = boundary.decode_grad(payload, ctx)
     torch.autograd.backward(z, g.to(z.dtype) if g.dtype != z.dtype else g)
+
+
+@torch.no_grad()
+def through(boundary: Boundary, x: torch.Tensor, ctx) -> torch.Tensor:
+    """Both ends in one process, no gradient: what the receiver feeds its stage (evaluation through
+    a boundary that is part of the model)."""
+    _, payload = sender_forward(boundary, x, ctx)
+    return receiver_forward(boundary, payload, ctx, torch.float32)[1]

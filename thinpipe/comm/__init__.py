@@ -1,6 +1,6 @@
 """The narrow communication interface algorithms talk to (never torch.distributed directly)."""
 
-from thinpipe.comm.inprocess import InFlight, InProcessGroup, LocalGroup, Mailbox, Work, drive_lockstep
+from thinpipe.comm.inprocess import InProcessGroup, LocalGroup, Mailbox, Work, drive_lockstep
 from thinpipe.comm.meter import AXES, ByteMeter
 
-__all__ = ["AXES", "ByteMeter", "InFlight", "InProcessGroup", "LocalGroup", "Mailbox", "Work", "drive_lockstep"]
+__all__ = ["AXES", "ByteMeter", "InProcessGroup", "LocalGroup", "Mailbox", "Work", "drive_lockstep"]

@@ -124,22 +124,3 @@ def drive_lockstep(gens) -> None:
         for _, work in posted:
             work.wait()
         gens = [g for g, _ in posted]
-
-
-class InFlight:
-    """Collectives posted now and finished later (overlap): each rank's generator is advanced to
-    its first yield (posting the collective); ``finish`` waits and runs the rest in lockstep."""
-
-    def __init__(self, gens) -> None:
-        self.gens, self.works = [], []
-        for g in gens:
-            try:
-                self.works.append(next(g))
-                self.gens.append(g)
-            except StopIteration:
-                pass
-
-    def finish(self) -> None:
-        for w in self.works:
-            w.wait()
-        drive_lockstep(self.gens)

@@ -17,7 +17,7 @@ import torch
 
 from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import Payload, build_boundaries
-from thinpipe.boundary.link import receiver_forward, sender_forward
+from thinpipe.boundary.link import through
 from thinpipe.boundary.ssn import confine
 from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
@@ -108,8 +108,7 @@ class SimMesh:
                 off = self._offset(b, stages, ctx)
                 out[s].append((x - off).reshape(-1, x.shape[-1]).float())
                 if b.architectural:
-                    _, payload = sender_forward(b, x, ctx)
-                    _, x = receiver_forward(b, payload, ctx, torch.float32)
+                    x = through(b, x, ctx)
         return [torch.cat(o) for o in out]
 
     @staticmethod
@@ -231,8 +230,7 @@ class SimMesh:
         for s, st in enumerate(self.replicas[replica]):
             if s and self.boundaries[s - 1].architectural:  # part of the model: evaluate through it
                 b = self.replica_boundaries[replica][s - 1]
-                _, payload = sender_forward(b, x, ctx)
-                _, x = receiver_forward(b, payload, ctx, torch.float32)
+                x = through(b, x, ctx)
             with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
                 x = st(x, ctx)
         return float(x), n
@@ -251,8 +249,7 @@ class SimMesh:
         for s, st in enumerate(stages):
             if s and self.boundaries[s - 1].architectural:
                 b = self.replica_boundaries[replica][s - 1]
-                _, payload = sender_forward(b, x, ctx)
-                _, x = receiver_forward(b, payload, ctx, torch.float32)
+                x = through(b, x, ctx)
             with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
                 x = st.hidden_states(x, ctx)
         return stages[-1].logits(x).float()
