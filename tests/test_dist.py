@@ -7,8 +7,11 @@ training loss, final held-out loss and metered bytes per axis must equal the sim
 import json
 import os
 from pathlib import Path
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -61,41 +64,111 @@ def test_wrong_process_count_is_a_clear_error(tmp_path):
     assert r.returncode != 0 and "needs 4 processes, but 3 were started" in r.stderr
 
 
+class LiveJob:
+    """A 4-rank training job (mask + PowerSGD) started by `thinpipe launch`, running until killed.
+
+    Nothing here blocks without a deadline: a thread collects the output, and every process of the
+    job (torchrun starts each rank in its own session) is remembered and killed at the end."""
+
+    def __init__(self, tmp_path):
+        import psutil
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", "4", "--", "train", "--out",
+                str(tmp_path / "f"), *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1],
+                "--set", "train.steps=100000"]
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.job = psutil.Process(self.proc.pid)
+        self.everyone: set = set()
+
+    def _read(self):
+        for line in iter(self.proc.stdout.readline, ""):
+            self.out.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out)
+
+    def ranks(self):
+        """The rank processes (children of torchrun's agent) and the agent itself."""
+        kids = self.job.children(recursive=True)
+        self.everyone.update(kids)
+        agent = [k for k in kids if "torch.distributed.run" in " ".join(k.cmdline())]
+        return [k for k in kids if k not in agent], agent
+
+    def wait_until_training(self, timeout_s=180):
+        deadline = time.time() + timeout_s
+        while self.text.count("[thinpipe rank") < 4:
+            assert self.proc.poll() is None, "the job ended before every rank started:\n" + self.text[-3000:]
+            assert time.time() < deadline, (f"not every rank started within {timeout_s} s:\n"
+                                            + self.text[:1500] + "\n...\n" + self.text[-1500:])
+            time.sleep(0.2)
+        time.sleep(3)
+        ranks, agent = self.ranks()
+        assert len(ranks) == 4 and len(agent) == 1, [k.cmdline() for k in ranks + agent]
+        return ranks, agent[0]
+
+    def survivors(self, timeout_s=60):
+        """Wait until every process of the job is gone (or timeout_s passed); return those left."""
+        import psutil
+
+        deadline = time.time() + timeout_s
+        while True:
+            left = [p for p in self.everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not left or time.time() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def kill_all(self):
+        import psutil
+
+        for p in [*self.everyone, self.job]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.reader.join(timeout=10)
+
+
 def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
     dead rank (torchrun's root cause) and its role (each rank's start-up line)."""
-    import signal
-    import time
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", "4", "--", "train", "--out", str(tmp_path / "f"),
-            *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1], "--set", "train.steps=100000"]
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    out = []
+    job = LiveJob(tmp_path)
     try:
-        while True:  # wait until every rank has started training (its role line is printed)
-            line = proc.stdout.readline()
-            out.append(line)
-            if sum("[thinpipe rank" in x for x in out) == 4 or not line:
-                break
-        time.sleep(3)
-        victims = subprocess.run(["pgrep", "-f", f"thinpipe train --out {tmp_path / 'f'}"], capture_output=True,
-                                 text=True).stdout.split()
-        ranks = [int(v) for v in victims if int(v) != proc.pid
-                 and b"torch.distributed.run" not in Path(f"/proc/{v}/cmdline").read_bytes()]
-        assert len(ranks) >= 4
+        ranks, _ = job.wait_until_training()
         t0 = time.time()
-        os.kill(max(ranks), signal.SIGKILL)
-        rest, _ = proc.communicate(timeout=60)
+        os.kill(max(r.pid for r in ranks), signal.SIGKILL)
+        try:
+            job.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        left = job.survivors(timeout_s=max(1.0, 60 - (time.time() - t0)))
         elapsed = time.time() - t0
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = "".join(out) + rest
-    assert proc.returncode != 0 and elapsed < 60
-    assert "Root Cause" in text and "SIGKILL" in text
-    assert "stage 1" in text and "fast replica" in text
+        job.kill_all()
+    assert job.proc.returncode not in (None, 0) and not left and elapsed < 60, (left, job.text[-3000:])
+    assert "Root Cause" in job.text and "SIGKILL" in job.text
+    assert "stage 1" in job.text and "fast replica" in job.text
+
+
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
+    """kill -9 torchrun's agent (a lost node's launcher): its ranks, each in its own session, notice
+    and exit within seconds instead of training on as orphans."""
+    job = LiveJob(tmp_path)
+    try:
+        _, agent = job.wait_until_training()
+        t0 = time.time()
+        agent.kill()
+        left = job.survivors(timeout_s=30)
+        elapsed = time.time() - t0
+    finally:
+        job.kill_all()
+    assert not left, f"ranks still running {elapsed:.0f} s after their launcher died: {left}"
+    assert "its launcher" in job.text and "is gone" in job.text
 
 
 @pytest.mark.parametrize("case", ["tied Qwen2 + Streaming DiLoCo in flight, GPipe", "MAPL-VQ, 3 stages"])

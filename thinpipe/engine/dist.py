@@ -244,6 +244,32 @@ class DistRun:
         return {a: sum(o[a] for o in out) for a in AXES}
 
 
+def say(line: str) -> None:
+    """One log line to stderr in a single write: every rank shares the launcher's stderr, and
+    ``print`` writes the text and its newline separately, so lines of different ranks would splice."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def exit_with_launcher() -> None:
+    """Exit this rank when its torchrun agent dies (SIGKILL, lost node): torchrun starts each rank in
+    its own session, so nothing else would stop an orphaned rank, which would keep training and
+    holding its GPU. Only for ranks torchrun started (TORCHELASTIC_RUN_ID is set)."""
+    import threading
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        say(f"[thinpipe rank {os.environ.get('RANK', '?')}] its launcher (pid {parent}) is gone: exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="thinpipe-launcher-watch", daemon=True).start()
+
+
 def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool = False) -> dict | None:
     """Run this process's rank of a distributed training run; rank 0 writes the run folder and
     returns the summary (other ranks return None). ``resume`` continues from the per-rank
@@ -252,6 +278,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
     from thinpipe.engine.trainer import plot_losses
 
     check_supported(cfg)
+    exit_with_launcher()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise ConfigError("--engine dist must be started by torchrun (or `thinpipe launch --nproc N -- train ...`)")
@@ -263,9 +290,8 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
     try:
         run = DistRun(cfg)
         role = run.role
-        print(f"[thinpipe rank {run.rank}/{dist.get_world_size()}] {role.circuit} replica {role.replica}, "
-              f"stage {role.stage} (layers {run.stage.first_layer}-{run.stage.first_layer + len(run.stage.layers) - 1})",
-              file=sys.stderr, flush=True)
+        say(f"[thinpipe rank {run.rank}/{dist.get_world_size()}] {role.circuit} replica {role.replica}, "
+            f"stage {role.stage} (layers {run.stage.first_layer}-{run.stage.first_layer + len(run.stage.layers) - 1})")
         t = cfg.train
         out = Path(out)
         lead = run.rank == 0
@@ -298,7 +324,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
                 val_points.append((step + 1, row["val_loss"]))
             metrics.append(row)
             if lead and progress:
-                print(f"[rank 0] step {step + 1}/{t.steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+                say(f"[rank 0] step {step + 1}/{t.steps} loss {loss:.4f}")
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
                 run.save_checkpoint(ckpt, val_points, metrics)
         wall = time.perf_counter() - wall0
