@@ -298,8 +298,15 @@ class AnchorConfig:
     push_rank: int = 0
     """Compress the pushed anchor gradient with PowerSGD at this rank (error feedback, warm-started
     Q; App. H.2: "compressed to roughly the volume of one DP all-reduce payload"); 0 = dense."""
+    delivery: str = "fixed"
+    """When a fast replica consumes a prior on the real mesh (``--engine dist``): ``fixed`` = at
+    exactly produced step + ``staleness`` (as the simulation does; a late prior is waited for and
+    the wait is reported), ``arrival`` = at the first step after it has arrived (never waits; the
+    realised staleness is whatever the anchor's speed gives). The simulation is always ``fixed``."""
 
     def validate(self) -> None:
+        if self.delivery not in ("fixed", "arrival"):
+            raise ConfigError(f"anchor.delivery must be fixed or arrival, got {self.delivery!r}")
         if self.staleness < 1:
             raise ConfigError(f"anchor.staleness must be >= 1 fast step, got {self.staleness}")
         if self.every < 0:

@@ -19,12 +19,29 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.boundary import Boundary
-from thinpipe.comm import LocalGroup, drive_lockstep
-from thinpipe.dp.powersgd import PowerSGDState, powersgd_average, wire_numel
+from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull
+from thinpipe.dp.powersgd import PowerSGDState
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.worker import StageWorker
 from thinpipe.models.stages import Stage, build_stages
+
+
+@torch.enable_grad()
+def run_anchor_pass(workers: list[StageWorker], order, batch: dict, step: int, microbatches: int,
+                    replica_tag: int) -> list[dict[str, torch.Tensor]]:
+    """The unmasked forward-backward of the stages in ``workers`` (one process: all of a replica's
+    stages; a real anchor rank: its own), actions in ``order`` as (stage, (kind, microbatch)) pairs;
+    returns each stage's gradient (local name -> tensor) and clears it."""
+    ctxs = make_contexts(batch, microbatches, step, replica_tag)
+    by_stage = {w.stage.index: w for w in workers}
+    for s, (kind, mb) in order:
+        (by_stage[s].forward if kind == "F" else by_stage[s].backward)(ctxs[mb])
+    grads = []
+    for w in workers:
+        grads.append({n: p.grad.detach().clone() for n, p in w.stage.named_parameters() if p.grad is not None})
+        w.stage.zero_grad(set_to_none=True)
+    return grads
 
 
 @dataclass
@@ -56,39 +73,25 @@ class SimAnchorCircuit:
         self.pending: deque[AnchorPrior] = deque()
         self.staleness_seen: list[int] = []
 
-    def _elem_bytes(self, t: torch.Tensor) -> int:
-        return torch.tensor([], dtype=self.wire_dtype).element_size() if self.wire_dtype else t.element_size()
-
     def starts_at(self, step: int) -> bool:
         return step % self.every == 0
 
     @torch.enable_grad()
     def run_cycle(self, step: int, fast_stages: list[Stage], batch: dict, fast_replicas: int) -> None:
-        """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta."""
-        pull = 0
-        with torch.no_grad():
-            for mine, theirs in zip(self.stages, fast_stages):
-                for a, b in zip(mine.parameters(), theirs.parameters()):
-                    a.copy_(b)
-                    pull += a.numel() * self._elem_bytes(a)
-        self.meter.add("anchor", pull)
-        ctxs = make_contexts(batch, self.cfg.train.microbatches, step, self.replica_tag)
-        for s, (kind, mb) in self.schedule:
-            (self.workers[s].forward if kind == "F" else self.workers[s].backward)(ctxs[mb])
-        grads, push = [], 0
-        for s, st in enumerate(self.stages):
-            g = {n: p.grad.detach().clone() for n, p in st.named_parameters() if p.grad is not None}
-            elem = self._elem_bytes(next(iter(g.values())))
-            if self.push is None:
-                push += sum(v.numel() for v in g.values()) * elem
-            else:
-                # What the fast replicas receive is P Q^T: run the compression in place on one worker.
-                push += wire_numel({n: tuple(v.shape) for n, v in g.items()}, self.push[s]) * elem
-                drive_lockstep([powersgd_average(self.push[s], g, LocalGroup(), 0, 1)])
-            grads.append(g)
-            st.zero_grad(set_to_none=True)
-        self.meter.add("anchor", push * fast_replicas)
-        self.pending.append(AnchorPrior(step, step + self.staleness, grads))
+        """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta.
+        Pull and push go through ``anchor/wire.py``, as on the real mesh."""
+        for mine, theirs in zip(self.stages, fast_stages):
+            flat = encode_pull(list(theirs.parameters()), self.wire_dtype)
+            load_pull(list(mine.parameters()), flat)
+            self.meter.add("anchor", flat.nbytes)
+        grads = run_anchor_pass(self.workers, self.schedule, batch, step, self.cfg.train.microbatches,
+                                self.replica_tag)
+        received = []
+        for s, g in enumerate(grads):
+            push = encode_push(g, self.push[s] if self.push else None, self.wire_dtype)
+            self.meter.add("anchor", sum(t.nbytes for t in push.values()) * fast_replicas)
+            received.append(decode_push(push, g, self.cfg.anchor.push_rank))
+        self.pending.append(AnchorPrior(step, step + self.staleness, received))
 
     def due(self, step: int) -> list[AnchorPrior]:
         """Priors whose delivery step is ``step`` (never earlier)."""

@@ -1,4 +1,4 @@
-"""Point-to-point payload transport over torch.distributed (gloo on CPU, NCCL on GPU).
+"""Point-to-point payload transport over torch.distributed (gloo; CPU tensors).
 
 The same ``send(tag, payload, axis)`` / ``recv(tag)`` interface as the in-process ``Mailbox``, so
 a stage worker runs unchanged; ``route(tag)`` names the peer rank of a tag and ``channel(tag)``
@@ -66,7 +66,9 @@ class DistTransport:
             finally:
                 self._queue.task_done()
 
-    def send(self, tag: Hashable, payload: Payload, axis: str) -> None:
+    def send(self, tag: Hashable, payload: Payload, axis: str | None, metered: int | None = None) -> None:
+        """``metered``: the bytes to count on ``axis`` when part of the payload is protocol (a step
+        number, say) rather than data the simulation counts; None = the whole payload."""
         peer, ch = self.route(tag), self.channel(tag)
         parts = [encode_header(payload)] + [_as_bytes(t) for t in payload.tensors.values()]
         link = self.link_for(axis, peer)
@@ -77,7 +79,8 @@ class DistTransport:
                 self._queue = queue.Queue()
                 threading.Thread(target=self._sender, daemon=True, name="thinpipe-link").start()
             self._queue.put((link, payload.nbytes + HEADER_BYTES, peer, ch, parts))
-        self.meter.add(axis, payload.nbytes)
+        if axis is not None:
+            self.meter.add(axis, payload.nbytes if metered is None else metered)
         self.header_bytes += HEADER_BYTES
 
     def recv(self, tag: Hashable) -> Payload:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import math
 import zlib
 
 import torch
@@ -68,19 +69,26 @@ class PowerSGDState:
         self.step, self.q, self.error = state["step"], dict(state["q"]), dict(state["error"])
 
 
-def wire_numel(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> int:
-    """Values one worker contributes per average: r(n + m) per compressed matrix, numel otherwise."""
-    total = 0
-    for shape in shapes.values():
-        n = shape[0] if shape else 1
-        m = 1
+def factorized(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> dict[str, tuple[int, int, int]]:
+    """The tensors ``powersgd_average`` sends as factors, in its order: name -> (n, m, r)."""
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) < 2 or state.step < state.start_step:
+            continue
+        n, m = shape[0], 1
         for d in shape[1:]:
             m *= d
         r = min(n, m, state.rank)
-        compress = len(shape) >= 2 and state.step >= state.start_step and should_compress(
-            n, m, r, state.min_compression_rate)
-        total += r * (n + m) if compress else n * m
-    return total
+        if should_compress(n, m, r, state.min_compression_rate):
+            out[name] = (n, m, r)
+    return out
+
+
+def wire_numel(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> int:
+    """Values one worker contributes per average: r(n + m) per compressed matrix, numel otherwise."""
+    plan = factorized(shapes, state)
+    return sum(r * (n + m) if name in plan else math.prod(shape)
+               for name, shape in shapes.items() for n, m, r in [plan.get(name, (0, 0, 0))])
 
 
 def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], group, rank: int,

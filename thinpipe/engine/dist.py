@@ -1,4 +1,4 @@
-"""The fast circuit as real processes on torch.distributed (gloo on CPU, NCCL on GPU).
+"""The mesh as real processes on torch.distributed (gloo; the stages compute on CPU today).
 
 Launched by torchrun (``torchrun --nproc-per-node N -m thinpipe train --engine dist ...`` or
 ``thinpipe launch``): every process derives the same ``MeshLayout`` from the config, builds the
@@ -8,9 +8,11 @@ object the simulation runs, DESIGN.md property 1) with a ``DistTransport`` for p
 rank runs its own row of the pipeline schedule; then the step's phases, waiting on each Work.
 
 Implemented here: dp x pp fast replicas, every boundary kind, every DP kind, both schedules, the
-held-out loss through the pipeline, metered bytes summed over ranks, per-rank checkpoints at the
-end and every ``train.checkpoint_every`` steps, ``--resume``. Not yet (use the simulation): the
-anchor circuit as processes, the PCA start, SSN basis refreshes.
+anchor circuit as its own row of processes (``anchor/ranks.py``: pulls, unmasked passes, pushes,
+off the fast circuit's critical path), the held-out loss through the pipeline, metered bytes
+summed over ranks, per-rank checkpoints at the end and every ``train.checkpoint_every`` steps,
+``--resume`` (not yet with an anchor). Not yet (use the simulation): the PCA start, SSN basis
+refreshes, gradient diagnostics.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from thinpipe.anchor.ranks import AnchorFeed, AnchorStageRank
 from thinpipe.boundary import Boundary, build_boundaries
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.boundary.ssn import confine
@@ -36,18 +39,22 @@ from thinpipe.comm.shaped import ShapedLink
 from thinpipe.config import Config, ConfigError
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.rank import StageRank
+from thinpipe.engine.log import say
 from thinpipe.engine.schedule import SCHEDULES
 from thinpipe.engine.sim import DTYPES, wire_dtype
+from thinpipe.engine.worker import StageWorker
 from thinpipe.mesh import MeshLayout
 from thinpipe.optim import cosine_with_warmup
 
-CHANNELS = {"F": 1, "B": 2, "dparams": 3, "params": 4, "tied": 5, "E": 6}
+CHANNELS = {"F": 1, "B": 2, "dparams": 3, "params": 4, "tied": 5, "E": 6, "anchor-cycle": 7, "pull": 8, "push": 9}
+# Anchor links wait as long as an anchor cycle may take, not the fast circuit's collective timeout.
+ANCHOR_TIMEOUT_S = 24 * 3600
 
 
-def check_supported(cfg: Config) -> None:
-    if cfg.mesh.anchor:
-        raise ConfigError("--engine dist runs the fast circuit only so far; the anchor circuit as processes is not "
-                          "implemented yet: run mesh.anchor = 1 in the simulation (the default engine)")
+def check_supported(cfg: Config, resume: bool = False) -> None:
+    if cfg.mesh.anchor and resume:
+        raise ConfigError("--engine dist cannot resume a run with an anchor circuit yet (its priors in flight are "
+                          "not checkpointed): start it again, or resume it in the simulation")
     if cfg.boundary.init == "pca" and cfg.boundary.kind in ("mapl", "mapl-vq"):
         raise ConfigError("--engine dist does not run the PCA start yet: use boundary.init = random or the simulation")
     b = cfg.boundary
@@ -60,8 +67,11 @@ def check_supported(cfg: Config) -> None:
 
 def router(layout: MeshLayout, me: int):
     """A tag's peer: the other end of the link it names (boundary b: stages b and b+1; tied: first
-    and last stage), in the tag's replica row."""
+    and last stage), in the tag's replica row; ("anchor-cycle", b): anchor stages b and b+1."""
     def route(tag) -> int:
+        if tag[0] == "anchor-cycle":
+            a, b = layout.grid[layout.dp][tag[1]], layout.grid[layout.dp][tag[1] + 1]
+            return b if me == a else a
         row, kind = tag[0], tag[1]
         a, b = ((layout.grid[row][0], layout.grid[row][-1]) if kind == "tied"
                 else (layout.grid[row][tag[2]], layout.grid[row][tag[2] + 1]))
@@ -70,11 +80,24 @@ def router(layout: MeshLayout, me: int):
 
 
 def channel(tag) -> int:
-    return CHANNELS[tag[1]]
+    return CHANNELS[tag[0] if isinstance(tag[0], str) else tag[1]]
+
+
+def anchor_router(layout: MeshLayout, stage: int, me: int):
+    """Pull and push links of ``stage``: ("pull",) joins fast replica 0 and the anchor stage rank,
+    ("push", r) the anchor stage rank and fast replica r."""
+    anchor = layout.grid[layout.dp][stage]
+
+    def route(tag) -> int:
+        if me != anchor:
+            return anchor
+        return layout.grid[0][stage] if tag[0] == "pull" else layout.grid[tag[1]][stage]
+    return route
 
 
 class DistRun:
     def __init__(self, cfg: Config):
+        from thinpipe.data import batches
         from thinpipe.engine.trainer import build_data
         from thinpipe.models import build_stages, load_model
 
@@ -101,6 +124,15 @@ class DistRun:
         # Every process creates every group, in the same order (torch.distributed requires it).
         dp_groups = [dist.new_group(self.layout.dp_ranks(x)) for x in range(m.pp)]
         pp_groups = [dist.new_group(self.layout.pp_ranks(r)) for r in range(self.layout.rows)]
+        # The fast circuit's own collectives (losses, held-out loss, checkpoints): never the anchor's.
+        self.fast_group = dist.new_group([r for row in range(m.dp) for r in self.layout.grid[row]])
+        if m.anchor:
+            long = datetime.timedelta(seconds=ANCHOR_TIMEOUT_S)
+            grid = self.layout.grid
+            pull_groups = [dist.new_group([grid[0][x], grid[m.dp][x]], timeout=long) for x in range(m.pp)]
+            push_groups = [dist.new_group([grid[r][x] for r in range(m.dp)] + [grid[m.dp][x]], timeout=long)
+                           for x in range(m.pp)]
+            row_group = dist.new_group(grid[m.dp], timeout=long)
         route = router(self.layout, self.rank)
         lk = cfg.link
         links: dict[int, ShapedLink] = {}
@@ -111,16 +143,43 @@ class DistRun:
                 return links.setdefault(peer, ShapedLink(lk.pp_mbps, lk.pp_latency_ms))
             return None
 
+        self.compute_dtype = DTYPES[t.dtype]
+        self.step_index = 0
+        self.feed: AnchorFeed | None = None
+        self.anchor_rank: AnchorStageRank | None = None
         self.transport = DistTransport(route, channel, self.meter, link_for)
         self.eval_transport = DistTransport(route, channel, ByteMeter())  # evaluation traffic is not training's
+        self.actions = SCHEDULES[t.schedule](m.pp, t.microbatches)[s]
+        if m.anchor:
+            aroute = anchor_router(self.layout, s, self.rank)
+            pull = DistTransport(aroute, channel, self.meter, group=pull_groups[s])
+            push = DistTransport(aroute, channel, self.meter, group=push_groups[s])
+        if self.role.circuit == "anchor":
+            # Dense boundaries, PP traffic on the anchor axis, as the simulation's anchor replica.
+            dense = [Boundary(b, loaded.model.config.hidden_size, wire) for b in range(m.pp - 1)]
+            row = DistTransport(route, channel, self.meter, group=row_group)
+            worker = StageWorker(self.stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None,
+                                 row, self.compute_dtype, axes=("anchor", "anchor"))
+            data = batches(self.train_ds, t.batch_size, t.seed, shard=m.dp, num_shards=m.dp + m.anchor)
+            self.anchor_rank = AnchorStageRank(cfg, self.stage, worker, self.actions, self.layout, pull, push, row,
+                                               self.meter, wire, data)
+            return
         self.in_b = self.bounds[s - 1] if s else None
         self.out_b = self.bounds[s] if s < m.pp - 1 else None
-        self.compute_dtype = DTYPES[t.dtype]
         self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport,
                             DistGroup(dp_groups[s], m.dp, self.meter, "dp", lk.dp_mbps, lk.dp_latency_ms),
                             DistGroup(pp_groups[self.role.replica], m.pp, self.meter, None), self.compute_dtype)
-        self.actions = SCHEDULES[t.schedule](m.pp, t.microbatches)[s]
-        self.step_index = 0
+        if m.anchor:
+            control = DistGroup(dp_groups[s], m.dp, self.meter, None)
+
+            def agree(count: int) -> int:
+                # ``arrival``: every replica of this stage takes the same priors at the same step.
+                _, counts = control.all_gather(self.role.replica, torch.tensor([count]))
+                return int(min(c.item() for c in counts))
+
+            timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+            self.feed = AnchorFeed(cfg, self.stage, self.role.replica, pull, push, self.meter, wire, agree,
+                                   wait_timeout_s=max(timeout_s, 600.0))
 
     def lr_at(self, step: int) -> float:
         t = self.cfg.train
@@ -130,6 +189,8 @@ class DistRun:
         """This rank's share of one step; returns the step's training loss (mean over replicas), as
         the simulation reports it."""
         t = self.cfg.train
+        if self.feed is not None:
+            self.feed.maybe_pull(self.step_index)  # w_t: the weights this step's forward uses
         ctxs = make_contexts(batch, t.microbatches, self.step_index, self.role.replica)
         worker = self.rk.worker
         worker.losses.clear()
@@ -137,18 +198,21 @@ class DistRun:
             for kind, mb in self.actions:
                 (worker.forward if kind == "F" else worker.backward)(ctxs[mb])
         lr = self.lr_at(self.step_index)
+        priors = self.feed.due(self.step_index) if self.feed is not None else []
         for phase in (self.rk.exchange_boundary_grads(), self.rk.dp_sync(), self.rk.tied_sync(),
-                      self.rk.clip_and_step(lr, [], 0.0), self.rk.outer_steps(self.step_index),
+                      self.rk.clip_and_step(lr, priors, self.cfg.anchor.mix), self.rk.outer_steps(self.step_index),
                       self.rk.broadcast_boundary_params()):
             for work in phase:
                 work.wait()
         self.transport.flush()
+        if self.feed is not None:
+            self.feed.flush()
         if self.cfg.boundary.kind == "ssn" and self.cfg.mesh.pp > 1:
             confine([self.stage], self.bounds[0].basis.U, self.bounds[0].token_fixed)
         self.step_index += 1
         mine = sum(worker.losses) if self.stage.is_last else None
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        gathered: list = [None] * self.layout.dp * self.layout.pp
+        dist.all_gather_object(gathered, mine, group=self.fast_group)
         per_replica = [gathered[self.layout.grid[r][-1]] for r in range(self.cfg.mesh.dp)]
         return sum(per_replica) / len(per_replica)
 
@@ -178,8 +242,9 @@ class DistRun:
                     b = self._eval_boundary(self.out_b)
                     self.eval_transport.send((0, "E", b.index, tag), sender_forward(b, x, ctx)[1], "pp_fwd")
             self.eval_transport.flush()
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, (total, n) if (self.role.replica == 0 and self.stage.is_last) else None)
+        out: list = [None] * self.layout.dp * self.layout.pp
+        dist.all_gather_object(out, (total, n) if (self.role.replica == 0 and self.stage.is_last) else None,
+                               group=self.fast_group)
         total, n = out[self.layout.grid[0][-1]]
         return total / max(n, 1)
 
@@ -203,7 +268,7 @@ class DistRun:
                      step_dir / f"rank{self.rank}.pt")
         if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(self.step_index) and self.rank == dist.get_world_size() - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {self.step_index}")
-        dist.barrier()
+        dist.barrier(group=self.fast_group)
         if self.rank == 0:
             tmp = folder / "latest.json.tmp"
             tmp.write_text(json.dumps({"step": self.step_index, "world_size": dist.get_world_size()}))
@@ -211,7 +276,7 @@ class DistRun:
             for old in folder.glob("step*"):
                 if old.is_dir() and old != step_dir:
                     shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.fast_group)
 
     def load_checkpoint(self, folder: Path) -> dict:
         marker = folder / "latest.json"
@@ -239,16 +304,25 @@ class DistRun:
         return state
 
     def bytes_total(self) -> dict[str, int]:
-        out: list = [None] * dist.get_world_size()
-        dist.all_gather_object(out, self.meter.snapshot())
+        """Every rank's metered bytes, the anchor ranks' included (each reported them to its stage's
+        fast ranks in its end message; replica 0 counts them once)."""
+        mine = self.meter.snapshot()
+        if self.feed is not None and self.role.replica == 0:
+            mine = {a: mine[a] + self.feed.anchor_bytes[a] for a in AXES}
+        out: list = [None] * self.layout.dp * self.layout.pp
+        dist.all_gather_object(out, mine, group=self.fast_group)
         return {a: sum(o[a] for o in out) for a in AXES}
 
 
-def say(line: str) -> None:
-    """One log line to stderr in a single write: every rank shares the launcher's stderr, and
-    ``print`` writes the text and its newline separately, so lines of different ranks would splice."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+def feed_summary(feed: AnchorFeed | None) -> dict:
+    """Rank 0's view of the anchor circuit: what the simulation reports, plus how long the fast
+    circuit waited for late priors and whether the anchor failed."""
+    if feed is None:
+        return {}
+    seen = feed.staleness_seen
+    return {"priors_consumed": len(seen), "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
+            "anchor_staleness_max": max(seen) if seen else None, "anchor_delivery": feed.delivery,
+            "anchor_wait_s": feed.wait_s, "anchor_failed": feed.anchor_failed}
 
 
 def exit_with_launcher() -> None:
@@ -277,7 +351,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
     from thinpipe.data import batches
     from thinpipe.engine.trainer import plot_losses
 
-    check_supported(cfg)
+    check_supported(cfg, resume)
     exit_with_launcher()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
@@ -285,13 +359,19 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         # A peer that dies leaves the others blocked in a receive or collective: they give up after
         # this many seconds with an error instead of hanging (torchrun tears a local job down sooner).
         timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        # gloo even where CUDA exists: every engine keeps its tensors on the CPU so far, and NCCL
+        # moves only CUDA tensors (GPU placement is future work, see docs/distributed.md).
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     try:
         run = DistRun(cfg)
         role = run.role
         say(f"[thinpipe rank {run.rank}/{dist.get_world_size()}] {role.circuit} replica {role.replica}, "
             f"stage {role.stage} (layers {run.stage.first_layer}-{run.stage.first_layer + len(run.stage.layers) - 1})")
+        if run.anchor_rank is not None:
+            # Off the critical path: cycles until the fast circuit stops it (see anchor/ranks.py).
+            run.anchor_rank.run(fault_at_cycle=int(os.environ.get("THINPIPE_FAULT_ANCHOR_AT_CYCLE", "-1"))
+                                if run.stage.is_last else -1)
+            return None
         t = cfg.train
         out = Path(out)
         lead = run.rank == 0
@@ -299,7 +379,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         if lead:
             ckpt.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(cfg.to_toml())
-        dist.barrier()
+        dist.barrier(group=run.fast_group)
         val_points, metrics, start = [], [], 0
         if resume:
             state = run.load_checkpoint(ckpt)
@@ -328,6 +408,8 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
                 run.save_checkpoint(ckpt, val_points, metrics)
         wall = time.perf_counter() - wall0
+        if run.feed is not None:
+            run.feed.finish()
         final = run.validation_loss(t.batch_size)
         val_points.append((t.steps, final))
         totals = run.bytes_total()
@@ -341,7 +423,8 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
                    **{f"{a}_bytes": totals[a] for a in AXES},
                    "bytes_per_token": {a: totals[a] / tokens for a in AXES},
                    "header_bytes_rank0": run.transport.header_bytes,
-                   "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "val_points": val_points}
+                   "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "val_points": val_points,
+                   **feed_summary(run.feed)}
         with open(out / "metrics.jsonl", "w") as f:
             for m in metrics:
                 f.write(json.dumps(m) + "\n")
@@ -352,4 +435,6 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
     finally:
         if "run" in locals():
             run.transport.close()
+            for tr in (run.feed.pull_transport, run.feed.push_transport) if run.feed else ():
+                tr.close()
         dist.destroy_process_group()

@@ -1,0 +1,280 @@
+"""The anchor circuit as processes: anchor stage ranks and the fast ranks' side of their links.
+
+Paper §3 and App. H: one anchor replica (a row of the mesh, one process per stage) repeatedly
+  pulls the fast circuit's weights w_t (fast replica 0's stage s -> anchor stage s),
+  runs an unmasked forward-backward on its own data shard (dense boundaries, anchor-row links),
+  pushes its gradient (dense or PowerSGD factors, ``anchor/wire.py``) to stage s of every fast replica,
+off the fast circuit's critical path: the fast ranks post pulls and take priors from a queue that
+a receiver thread fills, so they only ever wait in ``fixed`` delivery for a prior that is late.
+
+Three kinds of link, each its own process group so that a thread blocked in a receive on one
+never meets the main thread's traffic on another, all with a long timeout (an anchor cycle may
+take longer than the fast circuit's collective timeout):
+  pull group of stage s: {fast replica 0's stage s, anchor stage s}
+  push group of stage s: {every fast replica's stage s, anchor stage s}
+  anchor row group: the anchor's stage ranks (cycle numbers, activations, gradients)
+
+Cycle order: anchor stage 0 picks the cycle (``fixed``: every pull in order, as the simulation
+runs them; ``arrival``: the newest pull, older ones are skipped) and passes its step down the row
+before the forward; the other stages take their own pull of that step. A stop (step -1) from the
+fast side ends the loop; every anchor rank then sends an end message (its byte meter and whether
+it failed) to its fast ranks. An anchor rank that fails (an exception) logs it, sends the end
+message marked failed and leaves: the fast circuit continues without priors (the spectral filter
+keeps its last basis) and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from thinpipe.anchor.circuit import run_anchor_pass
+from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull
+from thinpipe.boundary.base import Payload
+from thinpipe.comm import AXES, ByteMeter
+from thinpipe.dp.powersgd import PowerSGDState
+from thinpipe.engine.log import say
+
+STOP = -1
+
+
+def _step_of(payload: Payload) -> int:
+    return int(payload.tensors["step"][0])
+
+
+@dataclass
+class Arrived:
+    produced_step: int
+    grads: dict[str, torch.Tensor]
+
+
+class AnchorFeed:
+    """A fast rank's end of the anchor links: posts pulls (fast replica 0 only), receives pushes on
+    a thread, hands priors to the optimizer step by the delivery rule."""
+
+    def __init__(self, cfg, stage, replica: int, pull_transport, push_transport, meter: ByteMeter, wire,
+                 agree=None, wait_timeout_s: float = 600.0):
+        a = cfg.anchor
+        self.staleness, self.every = a.staleness, a.every or a.staleness
+        self.delivery, self.push_rank = a.delivery, a.push_rank
+        self.stage, self.replica, self.meter, self.wire = stage, replica, meter, wire
+        self.pull_transport, self.push_transport = pull_transport, push_transport
+        self.agree = agree  # ``arrival``: (count) -> the count every replica of this stage has
+        self.wait_timeout_s = wait_timeout_s
+        self.like = {n: p.detach() for n, p in stage.named_parameters()}
+        self.inbox: queue.Queue = queue.Queue()
+        self.ready: list[Arrived] = []
+        self.ended = False
+        self.anchor_failed = False
+        self.anchor_bytes: dict[str, int] = {a_: 0 for a_ in AXES}
+        self.staleness_seen: list[int] = []
+        self.wait_s = 0.0
+        self.pulls = 0
+        self._thread = threading.Thread(target=self._receive, name="thinpipe-anchor-push", daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        try:
+            while True:
+                payload = self.push_transport.recv(("push", self.replica))
+                self.inbox.put(payload)
+                if _step_of(payload) == STOP:
+                    return
+        except BaseException as e:  # the link broke: as an anchor that failed
+            self.inbox.put(e)
+
+    def maybe_pull(self, step: int) -> None:
+        """At a cycle's start step, fast replica 0 sends this stage's weights w_step (unless the
+        anchor has ended: its end message is taken first)."""
+        if self.replica != 0 or step % self.every:
+            return
+        while self._take(block=False):
+            pass
+        if self.ended:
+            return
+        flat = encode_pull(list(self.stage.parameters()), self.wire)
+        try:
+            self.pull_transport.send(("pull",), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
+                                     metered=flat.nbytes)
+        except Exception as e:
+            self._end(failed=True, why=f"a pull could not be sent ({e})")
+        self.pulls += 1
+
+    def flush(self) -> None:
+        """Wait for this step's pull to be taken; a broken link means the anchor is gone."""
+        try:
+            self.pull_transport.flush()
+        except Exception as e:
+            self._end(failed=True, why=f"a pull could not be delivered ({e})")
+
+    def _take(self, block: bool) -> bool:
+        """Move one message from the inbox to ``ready``; False when none (or the anchor ended)."""
+        if self.ended:
+            return False
+        try:
+            item = self.inbox.get(timeout=self.wait_timeout_s) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                raise RuntimeError(f"no anchor prior arrived within {self.wait_timeout_s:.0f} s: the anchor circuit "
+                                   "is stuck or far too slow (anchor.delivery = fixed waits for each prior; raise "
+                                   "anchor.staleness or use anchor.delivery = arrival)") from None
+            return False
+        if isinstance(item, BaseException):
+            self._end(failed=True, why=f"its link broke ({item})")
+            return False
+        step = _step_of(item)
+        if step == STOP:
+            t = item.tensors
+            self.anchor_bytes = {a_: int(v) for a_, v in zip(AXES, t["bytes"].tolist())}
+            self._end(failed=bool(t["failed"][0]), why="it raised an error (see its rank's log)")
+            return False
+        self.ready.append(Arrived(step, decode_push(item.tensors, self.like, self.push_rank)))
+        return True
+
+    def _end(self, failed: bool, why: str) -> None:
+        self.ended = True
+        if failed and not self.anchor_failed:
+            self.anchor_failed = True
+            say(f"[thinpipe] warning: the anchor circuit's stage {self.stage.index} stopped: {why}; fast replica "
+                f"{self.replica} continues without anchor priors (the spectral filter keeps its last basis)")
+
+    def due(self, step: int) -> list[dict[str, torch.Tensor]]:
+        """The priors this rank's optimizer takes at ``step``."""
+        if self.delivery == "fixed":
+            produced = step - self.staleness
+            if produced < 0 or produced % self.every:
+                return []
+            t0 = time.perf_counter()
+            while not any(a.produced_step == produced for a in self.ready) and self._take(block=True):
+                pass
+            self.wait_s += time.perf_counter() - t0
+            take = [a for a in self.ready if a.produced_step == produced]
+            self.ready = [a for a in self.ready if a.produced_step > produced]
+        else:
+            while self._take(block=False):
+                pass
+            n = self.agree(len(self.ready)) if self.agree is not None else len(self.ready)
+            take, self.ready = self.ready[:n], self.ready[n:]
+        self.staleness_seen += [step - a.produced_step for a in take]
+        return [a.grads for a in take]
+
+    def finish(self) -> None:
+        """End of training: replica 0 stops the anchor stage; every fast rank waits for its end
+        message (priors still arriving are dropped), which carries the anchor rank's byte meter."""
+        while self._take(block=False):
+            pass
+        if self.replica == 0 and not self.ended:
+            try:
+                self.pull_transport.send(("pull",), Payload({"step": torch.tensor([STOP])}), None)
+            except Exception as e:
+                self._end(failed=True, why=f"the stop could not be sent ({e})")
+            self.flush()
+        while self._take(block=True):
+            pass
+        self._thread.join(timeout=self.wait_timeout_s)
+
+
+class AnchorStageRank:
+    """An anchor replica's stage process: the loop of cycles (see the module docstring)."""
+
+    def __init__(self, cfg, stage, worker, actions, layout, pull_transport, push_transport, row_transport,
+                 meter: ByteMeter, wire, data):
+        self.cfg, self.stage, self.worker, self.layout = cfg, stage, worker, layout
+        self.order = [(stage.index, a) for a in actions]
+        self.pull_transport, self.push_transport, self.row_transport = pull_transport, push_transport, row_transport
+        self.meter, self.wire, self.data = meter, wire, data
+        self.push = (PowerSGDState(rank=cfg.anchor.push_rank, start_step=0, seed=cfg.train.seed + stage.index)
+                     if cfg.anchor.push_rank else None)
+        self.pulls: queue.Queue = queue.Queue()
+        self.cycles = 0
+        self.skipped = 0
+        for p in stage.parameters():
+            p.requires_grad_(True)
+        self._receiver = threading.Thread(target=self._receive_pulls, name="thinpipe-anchor-pull", daemon=True)
+        self._receiver.start()
+
+    def _receive_pulls(self) -> None:
+        try:
+            while True:
+                payload = self.pull_transport.recv(("pull",))
+                self.pulls.put(payload)
+                if _step_of(payload) == STOP:
+                    return
+        except BaseException as e:
+            self.pulls.put(e)
+
+    def _next_pull(self, newest: bool) -> Payload:
+        """The next pull in order, or with ``newest`` the latest one queued (the others skipped)."""
+        item = self.pulls.get()
+        while newest and isinstance(item, Payload) and _step_of(item) != STOP and not self.pulls.empty():
+            self.skipped += 1
+            item = self.pulls.get()
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"the pull link from fast replica 0 broke: {item}") from item
+        return item
+
+    def _pull_of(self, step: int) -> Payload:
+        """The pull of ``step`` (older ones were skipped by stage 0's choice of cycle)."""
+        while True:
+            item = self._next_pull(newest=False)
+            s = _step_of(item)
+            if s == step or s == STOP:
+                return item
+            if s > step:
+                raise RuntimeError(f"anchor stage {self.stage.index}: cycle {step} was chosen but its pull is missing")
+
+    def run(self, fault_at_cycle: int = -1) -> None:
+        """Cycles until the fast circuit's stop. After a failure this process leaves at once
+        (``os._exit``): its receiver thread is blocked in a receive that no clean shutdown of the
+        process groups would survive."""
+        s, last = self.stage.index, self.stage.is_last
+        failed = False
+        try:
+            while True:
+                if self.stage.is_first:
+                    pull = self._next_pull(newest=self.cfg.anchor.delivery == "arrival")
+                    step = _step_of(pull)
+                else:
+                    step = _step_of(self.row_transport.recv(("anchor-cycle", s - 1)))
+                    pull = self._pull_of(step)  # at a stop: this stage's own stop (its receiver is done)
+                if not last:
+                    self.row_transport.send(("anchor-cycle", s), Payload({"step": torch.tensor([step])}), None)
+                if step == STOP:
+                    break
+                if self.cycles == fault_at_cycle:
+                    raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")
+                load_pull(list(self.stage.parameters()), pull.tensors["w"])
+                batch = next(self.data)
+                grads = run_anchor_pass([self.worker], self.order, batch, step, self.cfg.train.microbatches,
+                                        self.layout.dp)[0]
+                push = encode_push(grads, self.push, self.wire)
+                nbytes = sum(t.nbytes for t in push.values())
+                for r in range(self.layout.dp):
+                    self.push_transport.send(("push", r), Payload({"step": torch.tensor([step]), **push}), "anchor",
+                                             metered=nbytes)
+                self.push_transport.flush()
+                self.row_transport.flush()
+                self.cycles += 1
+        except Exception:
+            failed = True
+            say(f"[thinpipe rank anchor stage {s}] the anchor circuit failed; the fast circuit goes on without it:\n"
+                + traceback.format_exc())
+        meter = torch.tensor([self.meter.totals[a] for a in AXES], dtype=torch.int64)
+        try:
+            for r in range(self.layout.dp):
+                self.push_transport.send(("push", r), Payload({"step": torch.tensor([STOP]), "bytes": meter,
+                                                               "failed": torch.tensor([int(failed)])}), None)
+            self.push_transport.flush()
+            if not failed:
+                self._receiver.join()  # it has taken the stop: nothing is left blocked in a receive
+        finally:
+            if failed:
+                sys.stderr.flush()
+                os._exit(0)  # torchrun must not take this for the job's failure
