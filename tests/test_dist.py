@@ -251,3 +251,44 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoi
     r = launch(nproc, part, args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(part) == results(full)
+
+
+def _netns_available() -> bool:
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    ok = subprocess.run(["ip", "netns", "add", "tpprobe"], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", "tpprobe"], capture_output=True)
+    return ok
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
+def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_result(tmp_path, one_thread):
+    """`launch --netns`: each rank in its own namespace, the PP link shaped by tc at 1 Mbit/s. The
+    run equals the simulation bitwise, takes at least the link's transfer time per direction, and
+    leaves no namespace behind."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "train.seq_len=64",
+            "--set", "link.pp_mbps=1"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", "2", "--netns", "--", "train", "--out",
+                        str(tmp_path / "ns"), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(tmp_path / "ns") == results(tmp_path / "sim")
+    s = json.loads((tmp_path / "ns" / "summary.json").read_text())
+    one_direction_s = max(s["pp_fwd_bytes"], s["pp_bwd_bytes"]) * 8 / 1e6
+    assert s["wall_s"] >= 0.9 * one_direction_s, (s["wall_s"], one_direction_s)
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+@pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
+def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_FAULT_AT_STEP": "1"}
+    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", "2", "--netns", "--", "train", "--out",
+                        str(tmp_path / "ns"), "--quiet", *BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=2"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Root Cause: rank" in r.stderr and "fast replica 0" in r.stderr
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before

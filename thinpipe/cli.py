@@ -62,17 +62,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    """torchrun on this machine: N processes of `thinpipe <args> --engine dist`."""
-    import subprocess
+    """N local processes of `thinpipe train --engine dist`: torchrun, or our own launcher with
+    every rank in its own network namespace (``--netns``, kernel-shaped links)."""
+    from thinpipe.launch import launch_netns, launch_torchrun
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    rest = [a for a in args.rest if a != "--"]
-    if not rest or rest[0] != "train":
-        raise ConfigError("thinpipe launch runs a training job: thinpipe launch --nproc N -- train --out DIR ...")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           "-m", "thinpipe", *rest, "--engine", "dist"]
-    return subprocess.call(cmd)
+    return (launch_netns if args.netns else launch_torchrun)(args.nproc, args.rest)
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -187,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     la = sub.add_parser("launch", help="run a dist training job as N local processes (torchrun)")
     la.add_argument("--nproc", type=int, required=True, help="processes = (mesh.dp + mesh.anchor) x mesh.pp")
+    la.add_argument("--netns", action="store_true",
+                    help="each rank in its own network namespace, link.pp_mbps / link.dp_mbps enforced by the "
+                         "kernel (tc); Linux, root")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train --out DIR --set ...")
     la.set_defaults(func=cmd_launch)
 

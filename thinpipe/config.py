@@ -381,8 +381,14 @@ class LinkConfig:
     """Bandwidth of each rank's DP link, Mbit/s (a ring all-reduce moves 2 (n-1)/n of the tensor)."""
     dp_latency_ms: float = 0.0
     """Latency per ring hop of a DP collective, ms (2 (n-1) hops per all-reduce)."""
+    shaper: str = "transport"
+    """Who enforces the bandwidths: ``transport`` (a token bucket in the sending process, no root
+    needed) or ``kernel`` (tc qdiscs between network namespaces; set by ``thinpipe launch --netns``,
+    which builds them). Latency is added by the transport either way."""
 
     def validate(self) -> None:
+        if self.shaper not in ("transport", "kernel"):
+            raise ConfigError(f"link.shaper must be transport or kernel, got {self.shaper!r}")
         for name in ("pp_mbps", "pp_latency_ms", "dp_mbps", "dp_latency_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"link.{name} must be >= 0 (0 = unshaped), got {getattr(self, name)}")

@@ -137,10 +137,13 @@ class DistRun:
         lk = cfg.link
         links: dict[int, ShapedLink] = {}
 
+        # With kernel shaping (``thinpipe launch --netns``) tc enforces the rates; latency stays here.
+        pp_mbps, dp_mbps = (0.0, 0.0) if lk.shaper == "kernel" else (lk.pp_mbps, lk.dp_mbps)
+
         def link_for(axis: str, peer: int) -> ShapedLink | None:
             # one outgoing link per peer, shared by everything this rank sends it (PP axes)
-            if axis in ("pp_fwd", "pp_bwd", "pp_params", "tied") and (lk.pp_mbps or lk.pp_latency_ms):
-                return links.setdefault(peer, ShapedLink(lk.pp_mbps, lk.pp_latency_ms))
+            if axis in ("pp_fwd", "pp_bwd", "pp_params", "tied") and (pp_mbps or lk.pp_latency_ms):
+                return links.setdefault(peer, ShapedLink(pp_mbps, lk.pp_latency_ms))
             return None
 
         self.compute_dtype = DTYPES[t.dtype]
@@ -167,7 +170,7 @@ class DistRun:
         self.in_b = self.bounds[s - 1] if s else None
         self.out_b = self.bounds[s] if s < m.pp - 1 else None
         self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport,
-                            DistGroup(dp_groups[s], m.dp, self.meter, "dp", lk.dp_mbps, lk.dp_latency_ms),
+                            DistGroup(dp_groups[s], m.dp, self.meter, "dp", dp_mbps, lk.dp_latency_ms),
                             DistGroup(pp_groups[self.role.replica], m.pp, self.meter, None), self.compute_dtype)
         if m.anchor:
             control = DistGroup(dp_groups[s], m.dp, self.meter, None)
@@ -328,10 +331,11 @@ def feed_summary(feed: AnchorFeed | None) -> dict:
 def exit_with_launcher() -> None:
     """Exit this rank when its torchrun agent dies (SIGKILL, lost node): torchrun starts each rank in
     its own session, so nothing else would stop an orphaned rank, which would keep training and
-    holding its GPU. Only for ranks torchrun started (TORCHELASTIC_RUN_ID is set)."""
+    holding its machine. Only for ranks a launcher started (torchrun sets TORCHELASTIC_RUN_ID,
+    ``thinpipe launch --netns`` sets THINPIPE_WATCH_PARENT=1)."""
     import threading
 
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+    if "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("THINPIPE_WATCH_PARENT") != "1":
         return
     parent = os.getppid()
 
