@@ -121,18 +121,20 @@ def test_wrong_process_count_is_a_clear_error(tmp_path):
 
 
 class LiveJob:
-    """A 4-rank training job (mask + PowerSGD) started by `thinpipe launch`, running until killed.
+    """A training job of one of CASES started by `thinpipe launch` (by default 4 ranks, running
+    until killed).
 
     Nothing here blocks without a deadline: a thread collects the output, and every process of the
     job (torchrun starts each rank in its own session) is remembered and killed at the end."""
 
-    def __init__(self, tmp_path):
+    def __init__(self, tmp_path, case="mask + PowerSGD, 2 replicas x 2 stages", steps=100000, *extra):
         import psutil
 
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", "4", "--", "train", "--out",
-                str(tmp_path / "f"), *BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1],
-                "--set", "train.steps=100000"]
+        self.nproc, case_args = CASES[case]
+        self.folder = tmp_path / "f"
+        args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", str(self.nproc), "--", "train", "--out",
+                str(self.folder), *BASE, *case_args, "--set", f"train.steps={steps}", *extra]
         self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.out: list[str] = []
@@ -150,22 +152,21 @@ class LiveJob:
         return "".join(self.out)
 
     def ranks(self):
-        """The rank processes (children of torchrun's agent) and the agent itself."""
+        """The rank processes (children of the launcher) and the launcher itself."""
         kids = self.job.children(recursive=True)
         self.everyone.update(kids)
-        agent = [k for k in kids if "torch.distributed.run" in " ".join(k.cmdline())]
-        return [k for k in kids if k not in agent], agent
+        return kids, [self.job]
 
     def wait_until_training(self, timeout_s=180):
         deadline = time.time() + timeout_s
-        while self.text.count("[thinpipe rank") < 4:
+        while self.text.count("[thinpipe rank") < self.nproc:
             assert self.proc.poll() is None, "the job ended before every rank started:\n" + self.text[-3000:]
             assert time.time() < deadline, (f"not every rank started within {timeout_s} s:\n"
                                             + self.text[:1500] + "\n...\n" + self.text[-1500:])
             time.sleep(0.2)
         time.sleep(3)
         ranks, agent = self.ranks()
-        assert len(ranks) == 4 and len(agent) == 1, [k.cmdline() for k in ranks + agent]
+        assert len(ranks) == self.nproc and len(agent) == 1, [k.cmdline() for k in ranks + agent]
         return ranks, agent[0]
 
     def survivors(self, timeout_s=60):
@@ -192,7 +193,7 @@ class LiveJob:
 
 def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
-    dead rank (torchrun's root cause) and its role (each rank's start-up line)."""
+    dead rank (the launcher's root cause, with its role) and every rank's role (start-up lines)."""
     job = LiveJob(tmp_path)
     try:
         ranks, _ = job.wait_until_training()
@@ -212,8 +213,8 @@ def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
 
 
 def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
-    """kill -9 torchrun's agent (a lost node's launcher): its ranks, each in its own session, notice
-    and exit within seconds instead of training on as orphans."""
+    """kill -9 the launcher (as a lost node's torchrun agent would die): its ranks, each in its own
+    session, notice and exit within seconds instead of training on as orphans."""
     job = LiveJob(tmp_path)
     try:
         _, agent = job.wait_until_training()
@@ -251,6 +252,24 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoi
     r = launch(nproc, part, args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(part) == results(full)
+
+
+def test_a_killed_anchor_rank_leaves_the_fast_circuit_finishing(tmp_path):
+    """kill -9 an anchor rank mid-run (``arrival`` delivery): the launcher warns instead of stopping
+    the job, the fast ranks notice the broken link, and the run finishes with anchor_failed set."""
+    job = LiveJob(tmp_path, "mask + AP + PowerSGD, 2 x 2 + anchor row", 400, "--set", "anchor.delivery=arrival")
+    try:
+        ranks, _ = job.wait_until_training()
+        anchor = max(ranks, key=lambda r: int(r.environ()["RANK"]))  # rank 5: the anchor's stage 1
+        anchor.kill()
+        job.proc.wait(timeout=240)
+    finally:
+        job.kill_all()
+    assert job.proc.returncode == 0, job.text[-3000:]
+    s = json.loads((job.folder / "summary.json").read_text())
+    assert s["steps"] == 400 and s["anchor_failed"], job.text[-3000:]
+    assert "anchor rank 5 (stage 1) died with signal SIGKILL" in job.text
+    assert "continues without anchor priors" in job.text
 
 
 def _netns_available() -> bool:

@@ -62,13 +62,13 @@ def cmd_train(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    """N local processes of `thinpipe train --engine dist`: torchrun, or our own launcher with
-    every rank in its own network namespace (``--netns``, kernel-shaped links)."""
-    from thinpipe.launch import launch_netns, launch_torchrun
+    """N local processes of `thinpipe train --engine dist` (``thinpipe/launch.py``), optionally each
+    in its own network namespace (``--netns``, kernel-shaped links)."""
+    from thinpipe.launch import launch
 
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    return (launch_netns if args.netns else launch_torchrun)(args.nproc, args.rest)
+    return launch(args.nproc, args.rest, netns=args.netns)
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -181,7 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun)")
     t.set_defaults(func=cmd_train)
 
-    la = sub.add_parser("launch", help="run a dist training job as N local processes (torchrun)")
+    la = sub.add_parser("launch", help="run a dist training job as N local processes")
     la.add_argument("--nproc", type=int, required=True, help="processes = (mesh.dp + mesh.anchor) x mesh.pp")
     la.add_argument("--netns", action="store_true",
                     help="each rank in its own network namespace, link.pp_mbps / link.dp_mbps enforced by the "

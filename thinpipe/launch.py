@@ -1,10 +1,12 @@
 """``thinpipe launch``: a distributed training job as local processes.
 
-Default: torchrun (``--standalone``) starts the N ranks. With ``--netns`` (Linux, root) this
-module is the launcher: it builds one network namespace per rank with kernel-shaped links
-(``comm/netns.py``), starts each rank inside its namespace (env:// rendezvous on rank 0's address),
-watches them as torchrun would (the first rank that fails stops the others and is named, with its
-role), and deletes the namespaces whatever happens (Ctrl-C included).
+thinpipe's own launcher (one machine; torchrun's rendezvous is the way across machines, see
+docs/distributed.md): it starts the N ranks with an env:// rendezvous, each printing its role, and
+watches them. A fast rank that fails stops the job: the others are stopped and the failed rank is
+named with its role (the "Root Cause"). An anchor rank that dies does not: the fast circuit needs
+no anchor to go on (it warns and trains without priors), so the launcher says so and waits for the
+fast ranks. With ``--netns`` (Linux, root) each rank runs in its own network namespace with
+kernel-shaped links (``comm/netns.py``); the namespaces are deleted whatever happens (Ctrl-C too).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,7 +23,7 @@ from thinpipe.config import ConfigError, load_config
 from thinpipe.engine.log import say
 from thinpipe.mesh import MeshLayout
 
-MASTER_PORT = 29500  # inside the job's own namespaces: no other job can hold it
+NETNS_PORT = 29500  # inside the job's own namespaces: no other job can hold it
 
 
 def train_args(rest: list[str]) -> list[str]:
@@ -30,15 +33,13 @@ def train_args(rest: list[str]) -> list[str]:
     return rest
 
 
-def launch_torchrun(nproc: int, rest: list[str]) -> int:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "thinpipe", *train_args(rest), "--engine", "dist"]
-    return subprocess.call(cmd)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def launch_netns(nproc: int, rest: list[str]) -> int:
-    from thinpipe.comm import netns
-
+def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
     args = train_args(rest)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config")
@@ -46,51 +47,72 @@ def launch_netns(nproc: int, rest: list[str]) -> int:
     known, _ = p.parse_known_args(args[1:])
     cfg = load_config(known.config, known.set)
     layout = MeshLayout(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.anchor)
-    layout.check_world(nproc)  # before building anything
-    netns.check_available()
-    tied = cfg.model.tied == "sync"
-    rates = netns.link_rates_mbps(layout, cfg.link.pp_mbps, cfg.link.dp_mbps, tied)
-    ns = netns.create(layout, rates, job=str(os.getpid() % 100000))
+    layout.check_world(nproc)  # before starting (or building) anything
+    ns = None
+    if netns:
+        from thinpipe.comm import netns as nets
+
+        nets.check_available()
+        rates = nets.link_rates_mbps(layout, cfg.link.pp_mbps, cfg.link.dp_mbps, cfg.model.tied == "sync")
+        ns = nets.create(layout, rates, job=str(os.getpid() % 100000))
     procs: list[subprocess.Popen] = []
     try:
-        for i, name in enumerate(ns.ranks):
-            env = {**os.environ, "RANK": str(i), "WORLD_SIZE": str(nproc), "LOCAL_RANK": "0",
-                   "MASTER_ADDR": ns.addr(0), "MASTER_PORT": str(MASTER_PORT), "GLOO_SOCKET_IFNAME": "eth0",
-                   "THINPIPE_WATCH_PARENT": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            cmd = ["ip", "netns", "exec", name, sys.executable, "-m", "thinpipe", *args, "--engine", "dist",
-                   "--set", "link.shaper=kernel"]
+        port = NETNS_PORT if ns else _free_port()
+        for i in range(nproc):
+            env = {**os.environ, "RANK": str(i), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(i),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": ns.addr(0) if ns else "127.0.0.1",
+                   "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
+                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+            cmd = [sys.executable, "-m", "thinpipe", *args, "--engine", "dist"]
+            if ns:
+                env["GLOO_SOCKET_IFNAME"] = "eth0"
+                cmd = ["ip", "netns", "exec", ns.ranks[i], *cmd, "--set", "link.shaper=kernel"]
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        say(f"[thinpipe launch] {nproc} ranks in network namespaces {ns.ranks[0]}..{ns.ranks[-1]} "
-            f"({len(rates)} shaped links)")
+        if ns:
+            say(f"[thinpipe launch] {nproc} ranks in network namespaces {ns.ranks[0]}..{ns.ranks[-1]} "
+                f"({len(rates)} shaped links)")
         return _supervise(procs, layout)
     except KeyboardInterrupt:
         say("[thinpipe launch] interrupted: stopping every rank")
-        _stop(procs)
         raise
     finally:
         _stop(procs)
-        netns.delete(ns)
+        if ns:
+            nets.delete(ns)
+
+
+def _how(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
 def _supervise(procs: list[subprocess.Popen], layout: MeshLayout) -> int:
+    anchor_gone: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
-            if code not in (None, 0):
-                role = layout.role(rank)
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-                say(f"[thinpipe launch] Root Cause: rank {rank} ({role.circuit} replica {role.replica}, stage "
-                    f"{role.stage}) failed with {how}; stopping the other ranks")
-                _stop(procs)
-                return 1
-        if all(c == 0 for c in codes):
+            if code in (None, 0) or rank in anchor_gone:
+                continue
+            role = layout.role(rank)
+            if role.circuit == "anchor":
+                anchor_gone.add(rank)
+                say(f"[thinpipe launch] warning: anchor rank {rank} (stage {role.stage}) died with {_how(code)}; "
+                    "the fast circuit goes on without anchor priors")
+                continue
+            say(f"[thinpipe launch] Root Cause: rank {rank} ({role.circuit} replica {role.replica}, stage "
+                f"{role.stage}) failed with {_how(code)}; stopping the other ranks")
+            _stop(procs)
+            return 1
+        if all(c == 0 for r, c in enumerate(codes) if layout.role(r).circuit == "fast"):
+            # The anchor ranks end once the fast ranks have stopped them; a straggler is stopped.
+            _stop(procs, grace_s=30.0, terminate=False)
             return 0
         time.sleep(0.2)
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+def _stop(procs: list[subprocess.Popen], grace_s: float = 10.0, terminate: bool = True) -> None:
+    """SIGTERM (unless ``terminate`` is False), up to ``grace_s`` for them to exit, then SIGKILL."""
     for p in procs:
-        if p.poll() is None:
+        if terminate and p.poll() is None:
             p.terminate()
     deadline = time.time() + grace_s
     for p in procs:

@@ -77,6 +77,7 @@ class AnchorFeed:
         self.staleness_seen: list[int] = []
         self.wait_s = 0.0
         self.pulls = 0
+        self.pulls_skipped = 0
         self._thread = threading.Thread(target=self._receive, name="thinpipe-anchor-push", daemon=True)
         self._thread.start()
 
@@ -99,6 +100,14 @@ class AnchorFeed:
             pass
         if self.ended:
             return
+        # At most one pull in flight (memory stays bounded). If the last one has not left yet (a
+        # slow anchor link), ``arrival`` skips this cycle; ``fixed`` must run every cycle, so it waits.
+        if self.delivery == "arrival" and not self.pull_transport.idle():
+            self.pulls_skipped += 1
+            return
+        t0 = time.perf_counter()
+        self.flush()
+        self.wait_s += time.perf_counter() - t0
         flat = encode_pull(list(self.stage.parameters()), self.wire)
         try:
             self.pull_transport.send(("pull",), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
@@ -108,7 +117,8 @@ class AnchorFeed:
         self.pulls += 1
 
     def flush(self) -> None:
-        """Wait for this step's pull to be taken; a broken link means the anchor is gone."""
+        """Wait for the last pull to have left (at most one is in flight, so memory stays bounded);
+        a broken link means the anchor is gone."""
         try:
             self.pull_transport.flush()
         except Exception as e:

@@ -37,10 +37,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 class DistTransport:
     def __init__(self, route: Callable[[Hashable], int], channel: Callable[[Hashable], int], meter: ByteMeter,
-                 link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None):
+                 link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None,
+                 background: bool = False):
+        """``background``: every send goes through the sender thread, which also waits for it to
+        complete, so ``idle()`` can tell without blocking whether anything is still on its way
+        (gloo's ``Work.is_completed`` never turns true for point-to-point operations)."""
         self.route, self.channel, self.meter = route, channel, meter
         self.link_for = link_for or (lambda axis, peer: None)
         self.group = group
+        self.background = background
         self.header_bytes = 0
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._lock = threading.Lock()
@@ -59,8 +64,14 @@ class DistTransport:
                 return
             link, nbytes, peer, ch, parts = item
             try:
-                link.wait(nbytes)
+                if link is not None:
+                    link.wait(nbytes)
                 self._post(peer, ch, parts)
+                if self.background:
+                    with self._lock:
+                        pending, self._pending = self._pending, []
+                    for work, _ in pending:
+                        work.wait()
             except BaseException as e:  # surfaced by flush() on the main thread
                 self._error = e
             finally:
@@ -72,7 +83,7 @@ class DistTransport:
         peer, ch = self.route(tag), self.channel(tag)
         parts = [encode_header(payload)] + [_as_bytes(t) for t in payload.tensors.values()]
         link = self.link_for(axis, peer)
-        if link is None:
+        if link is None and not self.background:
             self._post(peer, ch, parts)
         else:
             if self._queue is None:
@@ -97,6 +108,10 @@ class DistTransport:
             t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
             tensors[name] = t.reshape(shape)
         return Payload(tensors)
+
+    def idle(self) -> bool:
+        """Nothing queued or in flight (meaningful with ``background``)."""
+        return self._queue is None or self._queue.unfinished_tasks == 0
 
     def flush(self) -> None:
         """Wait for every send handed over so far to be posted and completed."""

@@ -154,13 +154,23 @@ class DistRun:
         self.eval_transport = DistTransport(route, channel, ByteMeter())  # evaluation traffic is not training's
         self.actions = SCHEDULES[t.schedule](m.pp, t.microbatches)[s]
         if m.anchor:
+            # Pull and push cross between rows (the DP network): shaped like DP links.
+            anchor_links: dict[int, ShapedLink] = {}
+
+            def anchor_link_for(axis: str, peer: int) -> ShapedLink | None:
+                if dp_mbps or lk.dp_latency_ms:
+                    return anchor_links.setdefault(peer, ShapedLink(dp_mbps, lk.dp_latency_ms))
+                return None
+
             aroute = anchor_router(self.layout, s, self.rank)
-            pull = DistTransport(aroute, channel, self.meter, group=pull_groups[s])
-            push = DistTransport(aroute, channel, self.meter, group=push_groups[s])
+            pull = DistTransport(aroute, channel, self.meter, anchor_link_for, group=pull_groups[s], background=True)
+            push = DistTransport(aroute, channel, self.meter, anchor_link_for, group=push_groups[s])
         if self.role.circuit == "anchor":
             # Dense boundaries, PP traffic on the anchor axis, as the simulation's anchor replica.
             dense = [Boundary(b, loaded.model.config.hidden_size, wire) for b in range(m.pp - 1)]
-            row = DistTransport(route, channel, self.meter, group=row_group)
+            row = DistTransport(route, channel, self.meter, lambda axis, peer: link_for("pp_fwd", peer),
+                                group=row_group)  # the anchor row's PP links are shaped like the fast rows'
+
             worker = StageWorker(self.stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None,
                                  row, self.compute_dtype, axes=("anchor", "anchor"))
             data = batches(self.train_ds, t.batch_size, t.seed, shard=m.dp, num_shards=m.dp + m.anchor)
@@ -208,8 +218,6 @@ class DistRun:
             for work in phase:
                 work.wait()
         self.transport.flush()
-        if self.feed is not None:
-            self.feed.flush()
         if self.cfg.boundary.kind == "ssn" and self.cfg.mesh.pp > 1:
             confine([self.stage], self.bounds[0].basis.U, self.bounds[0].token_fixed)
         self.step_index += 1
@@ -319,13 +327,15 @@ class DistRun:
 
 def feed_summary(feed: AnchorFeed | None) -> dict:
     """Rank 0's view of the anchor circuit: what the simulation reports, plus how long the fast
-    circuit waited for late priors and whether the anchor failed."""
+    circuit waited on the anchor (late priors, a pull that had not left), the pulls ``arrival``
+    skipped because the last one was still on its way, and whether the anchor failed."""
     if feed is None:
         return {}
     seen = feed.staleness_seen
     return {"priors_consumed": len(seen), "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
             "anchor_staleness_max": max(seen) if seen else None, "anchor_delivery": feed.delivery,
-            "anchor_wait_s": feed.wait_s, "anchor_failed": feed.anchor_failed}
+            "anchor_wait_s": feed.wait_s, "anchor_failed": feed.anchor_failed,
+            "anchor_pulls_skipped": feed.pulls_skipped}
 
 
 def exit_with_launcher() -> None:
