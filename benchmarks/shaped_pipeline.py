@@ -7,7 +7,7 @@ the held-out loss (which shaping never changes: it only delays) and, for the anc
 anchor row of processes, ``anchor.delivery = arrival``, pull/push links shaped like DP links),
 the priors consumed and their realised staleness in fast steps.
 
-    .venv/bin/python benchmarks/shaped_pipeline.py [--steps 24] [--pp-mbps 4] [--dp-mbps 4]
+    .venv/bin/python benchmarks/shaped_pipeline.py [--steps 120] [--pp-mbps 4] [--dp-mbps 4]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def run(name: str, sets: dict, args, out: Path) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--pp-mbps", type=float, default=4.0)
     ap.add_argument("--dp-mbps", type=float, default=4.0)
     ap.add_argument("--latency-ms", type=float, default=5.0)

@@ -311,3 +311,32 @@ def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
                        env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 1 and "Root Cause: rank" in r.stderr and "fast replica 0" in r.stderr
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+def test_mapl_pca_start_in_dist_equals_the_simulation(tmp_path, one_thread):
+    """The PCA start across ranks (residuals at each sender, SVD, broadcast) gives the simulation's
+    projectors: the whole run agrees bitwise."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2",
+            "--set", "boundary.kind=mapl", "--set", "boundary.rank=16", "--set", "boundary.init=pca",
+            "--set", "boundary.pca_batches=2"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    r = launch(6, tmp_path / "dist", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(tmp_path / "dist") == results(tmp_path / "sim")
+    random = tmp_path / "random"
+    assert main(["train", "--out", str(random), "--quiet", *args, "--set", "boundary.init=random"]) == 0
+    assert results(random)[0][0] != results(tmp_path / "sim")[0][0]  # the start matters
+
+
+def test_ssn_basis_refresh_in_dist_matches_the_simulation(tmp_path, one_thread):
+    """SSN with Grassmann refreshes on 2 replicas x 3 stages: bytes equal exactly; losses agree to
+    1e-5 relative (dL/dU is summed up the pipeline, not in autograd's order)."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2",
+            "--set", "boundary.kind=ssn", "--set", "boundary.rank=16", "--set", "boundary.ssn_refresh_every=2",
+            "--set", "boundary.ssn_refresh_lr=0.5", "--set", "train.steps=5"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    r = launch(6, tmp_path / "dist", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (dl, dv, db, _), (sl, sv, sb, _) = results(tmp_path / "dist"), results(tmp_path / "sim")
+    assert db == sb and db["pp_params_bytes"] == 2 * 2 * 2 * 2 * 64 * 16 * 4  # 2 refreshes x dp x 2(pp-1) x U
+    assert dl == pytest.approx(sl, rel=1e-5) and dv == pytest.approx(sv, rel=1e-5)

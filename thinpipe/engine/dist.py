@@ -11,8 +11,8 @@ Implemented here: dp x pp fast replicas, every boundary kind, every DP kind, bot
 anchor circuit as its own row of processes (``anchor/ranks.py``: pulls, unmasked passes, pushes,
 off the fast circuit's critical path), the held-out loss through the pipeline, metered bytes
 summed over ranks, per-rank checkpoints at the end and every ``train.checkpoint_every`` steps,
-``--resume`` (not yet with an anchor). Not yet (use the simulation): the PCA start, SSN basis
-refreshes, gradient diagnostics.
+``--resume`` (not yet with an anchor), the MAPL PCA start, SSN basis refreshes. Not yet (use the
+simulation): gradient diagnostics.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from thinpipe.anchor.ranks import AnchorFeed, AnchorStageRank
 from thinpipe.boundary import Boundary, build_boundaries
+from thinpipe.boundary.base import Payload
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.boundary.ssn import confine
 from thinpipe.comm import AXES, ByteMeter
@@ -46,7 +47,8 @@ from thinpipe.engine.worker import StageWorker
 from thinpipe.mesh import MeshLayout
 from thinpipe.optim import cosine_with_warmup
 
-CHANNELS = {"F": 1, "B": 2, "dparams": 3, "params": 4, "tied": 5, "E": 6, "anchor-cycle": 7, "pull": 8, "push": 9}
+CHANNELS = {"F": 1, "B": 2, "dparams": 3, "params": 4, "tied": 5, "E": 6, "anchor-cycle": 7, "pull": 8, "push": 9,
+            "ssn-g": 10, "ssn-u": 11}
 # Anchor links wait as long as an anchor cycle may take, not the fast circuit's collective timeout.
 ANCHOR_TIMEOUT_S = 24 * 3600
 
@@ -55,12 +57,6 @@ def check_supported(cfg: Config, resume: bool = False) -> None:
     if cfg.mesh.anchor and resume:
         raise ConfigError("--engine dist cannot resume a run with an anchor circuit yet (its priors in flight are "
                           "not checkpointed): start it again, or resume it in the simulation")
-    if cfg.boundary.init == "pca" and cfg.boundary.kind in ("mapl", "mapl-vq"):
-        raise ConfigError("--engine dist does not run the PCA start yet: use boundary.init = random or the simulation")
-    b = cfg.boundary
-    if b.kind == "ssn" and b.ssn_refresh_every and b.ssn_refresh_every <= cfg.train.steps:
-        raise ConfigError("--engine dist does not run SSN basis refreshes yet: set boundary.ssn_refresh_every = 0 "
-                          "or use the simulation")
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
 
@@ -202,6 +198,9 @@ class DistRun:
         """This rank's share of one step; returns the step's training loss (mean over replicas), as
         the simulation reports it."""
         t = self.cfg.train
+        refresh = self.ssn_refresh_due()
+        if refresh:
+            self.bounds[0].basis.U.requires_grad_(True)
         if self.feed is not None:
             self.feed.maybe_pull(self.step_index)  # w_t: the weights this step's forward uses
         ctxs = make_contexts(batch, t.microbatches, self.step_index, self.role.replica)
@@ -218,7 +217,9 @@ class DistRun:
             for work in phase:
                 work.wait()
         self.transport.flush()
-        if self.cfg.boundary.kind == "ssn" and self.cfg.mesh.pp > 1:
+        if refresh:
+            self.ssn_refresh()
+        elif self.cfg.boundary.kind == "ssn" and self.cfg.mesh.pp > 1:
             confine([self.stage], self.bounds[0].basis.U, self.bounds[0].token_fixed)
         self.step_index += 1
         mine = sum(worker.losses) if self.stage.is_last else None
@@ -226,6 +227,75 @@ class DistRun:
         dist.all_gather_object(gathered, mine, group=self.fast_group)
         per_replica = [gathered[self.layout.grid[r][-1]] for r in range(self.cfg.mesh.dp)]
         return sum(per_replica) / len(per_replica)
+
+    def ssn_refresh_due(self) -> bool:
+        every, b = self.cfg.boundary.ssn_refresh_every, self.cfg.boundary
+        return b.kind == "ssn" and self.cfg.mesh.pp > 1 and every > 0 and (self.step_index + 1) % every == 0
+
+    def ssn_refresh(self) -> None:
+        """SimMesh.ssn_refresh across ranks: each replica sums its stages' dL/dU up the pipeline
+        (stage s adds its own to what stage s+1 sent), stage 0 averages over the DP group and takes
+        the Grassmann step, the new basis goes back down; every stage re-confines. The bytes are the
+        simulation's (2 (pp-1) messages of U per replica); the sum's order is not autograd's, so
+        the result agrees to rounding, not bitwise."""
+        from thinpipe.dp import allreduce_average
+        from thinpipe.optim.stiefel import grassmann_step
+
+        m, b = self.cfg.mesh, self.cfg.boundary
+        basis, s, row = self.bounds[0].basis, self.role.stage, self.role.replica
+        g = basis.U.grad.detach().clone() if basis.U.grad is not None else torch.zeros_like(basis.U)
+        if s < m.pp - 1:
+            g = g + self.transport.recv((row, "ssn-g", s)).tensors["g"]
+        if s > 0:
+            self.transport.send((row, "ssn-g", s - 1), Payload({"g": g}), "pp_params")
+            U = self.transport.recv((row, "ssn-u", s - 1)).tensors["U"]
+        else:
+            grads = {"U": g}
+            for work in allreduce_average(grads, self.rk.dp_group, row, m.dp) if m.dp > 1 else ():
+                work.wait()
+            with torch.no_grad():
+                U = grassmann_step(basis.U.detach(), grads["U"], b.ssn_refresh_lr)
+        if s < m.pp - 1:
+            self.transport.send((row, "ssn-u", s), Payload({"U": U}), "pp_params")
+        self.transport.flush()
+        basis.U = U
+        confine([self.stage], U, self.bounds[0].token_fixed)
+
+    @torch.no_grad()
+    def pca_start(self, batches: list[dict]) -> None:
+        """SimMesh.pca_start across ranks: boundary by boundary, replica 0's stages run the batches
+        up to the boundary's sender (through the earlier boundaries, already PCA-started), which
+        takes the top-r right singular vectors of its residuals; every rank that holds the
+        boundary loads them (a broadcast over the fast ranks; not metered, as in the simulation)."""
+        m, s, row = self.cfg.mesh, self.role.stage, self.role.replica
+        for p in range(m.pp - 1):
+            A = None
+            if row == 0 and s <= p:
+                residuals = []
+                for i, batch in enumerate(batches):
+                    ctx = make_contexts(batch, 1, self.step_index, 0)[0]
+                    tag = ("pca", p, i)
+                    x = (ctx.input_ids if s == 0 else
+                         receiver_forward(self.in_b, self.eval_transport.recv((0, "E", s - 1, tag)), ctx,
+                                          torch.float32)[1])
+                    x = self.stage(x, ctx)
+                    if s < p:
+                        self.eval_transport.send((0, "E", s, tag), sender_forward(self.out_b, x, ctx)[1], "pp_fwd")
+                    else:
+                        offset = getattr(self.out_b, "sender_offset", None)  # MAPL: embedding / anchor
+                        off = offset(ctx.input_ids) if offset is not None else None
+                        residuals.append((x - (0.0 if off is None else off)).reshape(-1, x.shape[-1]).float())
+                self.eval_transport.flush()
+                if s == p:
+                    _, _, Vh = torch.linalg.svd(torch.cat(residuals).double(), full_matrices=False)
+                    A = Vh[:self.out_b.rank].T
+            box = [A]
+            dist.broadcast_object_list(box, src=self.layout.grid[0][p], group=self.fast_group)
+            for b in (self.in_b, self.out_b):
+                if b is not None and b.index == p:
+                    A = box[0].to(b.projector.A.dtype)
+                    b.projector.A.copy_(A)
+                    b.receiver_load_params(b.owner_params() or Payload({"A": A}))
 
     @torch.no_grad()
     def validation_loss(self, batch_size: int) -> float:
@@ -398,6 +468,10 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         if resume:
             state = run.load_checkpoint(ckpt)
             start, val_points, metrics = state["step"], state["val_points"], state["metrics"]
+        if cfg.boundary.init == "pca" and cfg.boundary.kind in ("mapl", "mapl-vq") and not resume:
+            # The simulation's own stream for it (another seed): the training data order is unchanged.
+            pca_stream = batches(run.train_ds, t.batch_size, t.seed + 1_000_003)
+            run.pca_start([next(pca_stream) for _ in range(cfg.boundary.pca_batches)])
         stream = batches(run.train_ds, t.batch_size, t.seed, shard=run.role.replica,
                          num_shards=cfg.mesh.dp + cfg.mesh.anchor, start_step=start)
         if not val_points:

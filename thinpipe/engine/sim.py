@@ -151,9 +151,10 @@ class SimMesh:
         for basis, g in zip(bases, grads):
             with torch.no_grad():
                 basis.U = grassmann_step(basis.U.detach(), g["U"], b.ssn_refresh_lr)
-        # every other stage sends its contribution up and receives the new basis (d x k fp32 each)
+        # in every replica, every other stage sends its contribution up and receives the new basis
+        # (d x k fp32 each)
         U = bases[0].U
-        self.meter.add("pp_params", 2 * (m.pp - 1) * U.numel() * 4)
+        self.meter.add("pp_params", m.dp * 2 * (m.pp - 1) * U.numel() * 4)
         self.confine_all()
 
     # ------------------------------------------------------------------------------------------
