@@ -254,6 +254,21 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoi
     assert results(part) == results(full)
 
 
+def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
+    """SIGINT (Ctrl-C) to `thinpipe launch`: it stops every rank (each in its own session, so the
+    terminal's signal reaches only the launcher), says so, and exits with 130."""
+    job = LiveJob(tmp_path)
+    try:
+        job.wait_until_training()
+        job.proc.send_signal(signal.SIGINT)
+        job.proc.wait(timeout=60)
+        left = job.survivors(timeout_s=30)
+    finally:
+        job.kill_all()
+    assert job.proc.returncode == 130 and not left, (left, job.text[-2000:])
+    assert "interrupted: stopping every rank" in job.text
+
+
 def test_a_killed_anchor_rank_leaves_the_fast_circuit_finishing(tmp_path):
     """kill -9 an anchor rank mid-run (``arrival`` delivery): the launcher warns instead of stopping
     the job, the fast ranks notice the broken link, and the run finishes with anchor_failed set."""
