@@ -1,4 +1,4 @@
-"""The one command line: ``thinpipe train | eval | export | demo``.
+"""The one command line: ``thinpipe train | launch | plan | eval | export | analyze | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -69,6 +69,41 @@ def cmd_launch(args) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     return launch(args.nproc, args.rest, netns=args.netns)
+
+
+def cmd_plan(args) -> int:
+    """Predicted step time, tokens/s, bytes per token and anchor staleness (thinpipe/plan)."""
+    from thinpipe.plan.planner import DEVICES, PRESET_DEVICE, PRESETS, plan
+
+    sets = []
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {args.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+        sets = [f"{k}={v}" for k, v in PRESETS[args.preset].items()]
+    cfg = load_config(args.config, sets + args.set)
+    name = args.device or PRESET_DEVICE.get(args.preset, "a100-40gb")
+    if name not in DEVICES:
+        raise ConfigError(f"unknown device {name!r}: choose one of {', '.join(sorted(DEVICES))}")
+    result = plan(cfg, DEVICES[name])
+    result["device"] = name
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    rows = [("source", result["source"]), ("device", name),
+            ("compute per step", f"{result['t_compute_s']:.3f} s"), ("PP per step", f"{result['t_pp_s']:.3f} s"),
+            ("DP per step", f"{result['t_dp_s']:.3f} s"),
+            ("step time (serialised / overlapped)", f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
+            ("tokens/s (serialised / overlapped)",
+             f"{result['tokens_per_s']:.0f} / {result['tokens_per_s_overlapped']:.0f}")]
+    rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in result["bytes_per_token"].items()]
+    if "k_stale" in result:
+        rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
+                                                      f"{result['t_push_s']:.2f} s"),
+                 ("anchor staleness K_stale (overlapped)", f"{result['k_stale']:.1f} ({result['k_stale_overlapped']:.1f}) steps")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
 
 
 def print_summary(summary: dict, out: Path) -> None:
@@ -188,6 +223,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "kernel (tc); Linux, root")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train --out DIR --set ...")
     la.set_defaults(func=cmd_launch)
+
+    pl = sub.add_parser("plan", help="predict step time, tokens/s, bytes and anchor staleness (paper App. H, J)")
+    pl.add_argument("--preset", help="a deployment preset, e.g. paper-llama1b")
+    pl.add_argument("--config", help="TOML config file")
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. boundary.p=0.95")
+    pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 (default: the preset's, else a100-40gb)")
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("eval", help="log-likelihood multiple-choice evaluation (lm-eval formats)")
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")

@@ -1,0 +1,90 @@
+"""The planner's closed form (anchor-priors App. J.1, H.1-H.4) against hand-computed values and the
+paper's own worked numbers; monotonicity; clear errors."""
+
+import json
+
+import pytest
+
+from thinpipe.cli import main
+from thinpipe.config import load_config
+from thinpipe.plan import closed_form as cf
+from thinpipe.plan.planner import DEVICES, PRESETS, plan
+
+MB = 1e6
+B200 = 200e6 / 8  # 200 Mbit/s = 25 MB/s
+
+
+def test_app_j_formulas_on_a_small_hand_computed_example():
+    # K=3 stages, S=100 tokens, H=10, 2-byte elements, half the activations, 1000 B/s:
+    # 2 * 2 * 100 * 10 * 2 * 0.5 / 1000 = 4 s
+    assert cf.t_pp_s(3, 100, 10, 2, 0.5, 1000) == pytest.approx(4.0)
+    # D=4, N=1000, 4 bytes, rho 1/4, tau 2, 100 B/s: 2 * 3/4 * 1000 * 4 * 0.25 / (100 * 2) = 7.5 s
+    assert cf.t_dp_s(4, 1000, 4, 0.25, 2, 100) == pytest.approx(7.5)
+    assert cf.t_dp_s(1, 1000, 4, 1, 1, 100) == 0.0
+    assert cf.step_time_s(1, 4, 7.5, overlapped=True) == 7.5
+    assert cf.step_time_s(1, 4, 7.5, overlapped=False) == 12.5
+    assert cf.k_stale(2, 10, 1, 0.5) == pytest.approx(26.0)
+    assert cf.k_stale(12, 10, 1, 0.5, overlap=True) == pytest.approx(24.0)
+
+
+def test_the_papers_worked_numbers_app_h2_and_j1():
+    """App. H.2: T_pull ~ 12 s, T_clean ~ 72 s (1.8 GB at 25 MB/s; exactly 75 s for 8 MiB-ish
+    activations of 2048 x 2048 x 2 B), T_mask ~ 3.8 s, K_stale ~ 23; App. J.1: uncompressed DP ~ 168 s."""
+    assert cf.t_pull_s(1.2e9, 8, 2, B200) == pytest.approx(12.0)
+    t_clean = cf.t_pp_s(8, 16 * 2048, 2048, 2, 1.0, B200)
+    assert t_clean == pytest.approx(2 * 7 * 16 * 2048 * 2048 * 2 / B200) and 72 <= t_clean <= 76
+    t_mask = t_clean / 20 + 1.2e9 * 2 / 64 / (B200 * 10)  # the paper's own expression for T_mask
+    assert t_mask == pytest.approx(3.9, abs=0.1)
+    assert cf.k_stale(12, t_clean, 2, t_mask) == pytest.approx(23, abs=1)
+    assert cf.t_dp_s(8, 1.2e9, 2, 1, 1, B200) == pytest.approx(168, abs=0.1)
+
+
+def _plan(**sets):
+    s = {**PRESETS["paper-llama1b"], **{k.replace("__", "."): str(v) for k, v in sets.items()}}
+    return plan(load_config(None, [f"{k}={v}" for k, v in s.items()]), DEVICES["a100-40gb"])
+
+
+def test_paper_preset_reproduces_table_1_throughput_within_20_percent():
+    paper = {"Baseline": 1.1e3, "+DP": 3.6e3, "M90": 29.3e3, "M95": 48.9e3}
+    got = {"Baseline": _plan(dp__kind="allreduce", dp__rank=0)["tokens_per_s"], "+DP": _plan()["tokens_per_s"],
+           "M90": _plan(boundary__kind="mask", boundary__p=0.9)["tokens_per_s"],
+           "M95": _plan(boundary__kind="mask", boundary__p=0.95)["tokens_per_s"]}
+    for arm, tps in paper.items():
+        assert abs(got[arm] / tps - 1) < 0.2, (arm, got[arm], tps)
+    ap = _plan(boundary__kind="mask", boundary__p=0.95, mesh__anchor=1)
+    assert 15 <= ap["k_stale"] <= 25  # the paper observes 20-25 steps
+
+
+def test_monotone_in_bandwidth_and_mask_ratio():
+    slow, fast = _plan(link__pp_mbps=100, link__dp_mbps=100), _plan(link__pp_mbps=400, link__dp_mbps=400)
+    assert fast["tokens_per_s"] > slow["tokens_per_s"]
+    pp = [_plan(boundary__kind="mask", boundary__p=p)["bytes_per_token"]["pp"] for p in (0.5, 0.9, 0.95, 0.99)]
+    assert pp == sorted(pp, reverse=True)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["link.pp_mbps=0"], "needs link bandwidths"),
+    (["mesh.pp=32"], "has 16 layers"),
+    (["model.name=gpt-17"], "knows no architecture"),
+    (["boundary.kind=mapl"], "identity, mask or topk"),
+])
+def test_bad_inputs_give_one_line_errors(sets, message, capsys):
+    args = ["plan", "--preset", "paper-llama1b"] + [x for s in sets for x in ("--set", s)]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_preset_and_device(capsys):
+    assert main(["plan", "--preset", "nope"]) == 2
+    assert "unknown preset 'nope'" in capsys.readouterr().err
+    assert main(["plan", "--preset", "paper-llama1b", "--device", "tpu"]) == 2
+    assert "unknown device 'tpu'" in capsys.readouterr().err
+
+
+def test_plan_json_has_the_promised_keys(capsys):
+    assert main(["plan", "--preset", "paper-llama1b", "--set", "boundary.kind=mask", "--set", "boundary.p=0.95",
+                 "--set", "mesh.anchor=1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    for key in ("tokens_per_s", "step_time_s", "t_compute_s", "t_pp_s", "t_dp_s", "k_stale", "bytes_per_token"):
+        assert key in r
+    assert set(r["bytes_per_token"]) == {"pp", "dp", "anchor"}

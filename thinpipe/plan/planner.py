@@ -1,0 +1,151 @@
+"""``thinpipe plan``: a deployment's speed, bytes per token and anchor staleness, predicted from a
+training config, a model architecture and a device profile with the paper's closed form
+(``closed_form.py``: App. J.1 step time, App. H anchor cycle). Every number says where it comes
+from (``source``).
+
+Inputs read from the config: mesh.dp (fast replicas D), mesh.pp (stages K), mesh.anchor;
+train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per element);
+boundary.kind and boundary.p (fraction of activations sent); dp.kind, dp.rank, dp.inner_steps
+(PowerSGD ratio from the architecture's matrix shapes, DiLoCo's sync interval); anchor.push_rank;
+link.pp_mbps and link.dp_mbps (bandwidths; the anchor's pull and push use the DP link).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thinpipe.config import Config, ConfigError
+from thinpipe.plan import closed_form as cf
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the planner needs of a model (decoder-only, Llama-style)."""
+    params: float
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+    def matrices(self) -> list[tuple[int, int]]:
+        """Every weight matrix's (rows, cols): per layer q, k, v, o, gate, up, down; the embeddings."""
+        h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
+        per_layer = [(h, h), (kv, h), (kv, h), (h, h), (self.intermediate, h), (self.intermediate, h),
+                     (h, self.intermediate)]
+        emb = [(self.vocab, h)] * (1 if self.tied else 2)
+        return per_layer * self.layers + emb
+
+
+# Published configs (Hugging Face config.json) and our presets.
+ARCHITECTURES = {
+    "llama-3.2-1b": Architecture(1.236e9, 16, 2048, 8192, 32, 8, 128256, True),
+    "smollm2-135m": Architecture(134.5e6, 30, 576, 1536, 9, 3, 49152, True),
+    "small-llama": Architecture(1.7e6, 8, 128, 384, 4, 4, 512, False),
+    "tiny-llama": Architecture(0.3e6, 4, 64, 128, 4, 4, 512, False),
+}
+
+
+@dataclass(frozen=True)
+class Device:
+    peak_flops: float
+    """Dense bf16 tensor-core peak, FLOP/s (vendor data sheets)."""
+    mfu: float = 0.5
+    """Model FLOPs utilisation assumed (the paper's App. J: ~50%)."""
+
+
+DEVICES = {
+    "a100-40gb": Device(312e12),
+    "h100": Device(989e12),
+    "rtx-4090": Device(165e12),
+}
+
+PRESETS = {
+    # The anchor-priors paper's setting (§5.1, App. H.2, App. J): Llama-3.2-1B, 8 stages, 7 fast
+    # replicas + 1 anchor replica, 16 microbatches of 2048 tokens, bf16, 200 Mbit/s links,
+    # PowerSGD ~64x with DiLoCo H = 10, A100-40GB.
+    "paper-llama1b": {"model.name": "llama-3.2-1b", "mesh.pp": "8", "mesh.dp": "7", "mesh.anchor": "0",
+                      "train.batch_size": "16", "train.microbatches": "16", "train.seq_len": "2048",
+                      "train.dtype": "bfloat16", "link.pp_mbps": "200", "link.dp_mbps": "200",
+                      "dp.kind": "diloco", "dp.rank": "26", "dp.inner_steps": "10", "anchor.push_rank": "26"},
+}
+PRESET_DEVICE = {"paper-llama1b": "a100-40gb"}
+
+
+def powersgd_ratio(arch: Architecture, rank: int) -> float:
+    """Bytes sent / dense bytes for PowerSGD at ``rank`` over the model's matrices (vectors,
+    ~0.1% of a Llama, are left out)."""
+    dense = sum(n * m for n, m in arch.matrices())
+    sent = sum(min(rank, n, m) * (n + m) if min(rank, n, m) * (n + m) < n * m else n * m for n, m in arch.matrices())
+    return sent / dense
+
+
+def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> float:
+    """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends."""
+    b = cfg.boundary
+    if b.kind == "identity":
+        return 1.0
+    if b.kind == "mask":
+        return 1.0 - b.p  # the mask comes from a shared PRF: no indices cross
+    if b.kind == "topk":
+        # forward: kept values + their indices; backward: values only (boundary/topk.py)
+        index_bytes = 2 if arch.hidden < 2 ** 15 else 4
+        return (1.0 - b.p) * (1 + index_bytes / (2 * elem_bytes))
+    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask or topk so far, not {b.kind!r}")
+
+
+def plan(cfg: Config, device: Device) -> dict:
+    m, t, d, link = cfg.mesh, cfg.train, cfg.dp, cfg.link
+    arch = ARCHITECTURES.get(cfg.model.name)
+    if arch is None:
+        raise ConfigError(f"thinpipe plan knows no architecture {cfg.model.name!r}: choose one of "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+    if m.pp > arch.layers:
+        raise ConfigError(f"mesh.pp = {m.pp} stages but {cfg.model.name} has {arch.layers} layers")
+    if link.pp_mbps <= 0 or (link.dp_mbps <= 0 and (m.dp > 1 or m.anchor)):
+        raise ConfigError("thinpipe plan needs link bandwidths: set link.pp_mbps (and link.dp_mbps with several "
+                          "replicas or an anchor) in Mbit/s")
+    K, D, N, H = m.pp, m.dp, arch.params, arch.hidden
+    S = t.batch_size * t.seq_len
+    b = 2 if t.dtype == "bfloat16" else 4
+    B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
+    rho_act = activation_fraction(cfg, arch, b)
+    rho_dp, tau = 1.0, 1
+    if d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0):
+        rho_dp = powersgd_ratio(arch, d.rank or 4)
+    if d.kind in ("diloco", "streaming-diloco"):
+        tau = d.inner_steps
+    t_compute = cf.t_compute_s(N, S, K, device.peak_flops, device.mfu)
+    t_pp = cf.t_pp_s(K, S, H, b, rho_act, B_pp)
+    t_dp = cf.t_dp_s(D, N, b, rho_dp, tau, B_dp)
+    serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
+    overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
+    tokens = D * S
+    out = {
+        "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
+        "model": cfg.model.name, "params": N, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
+        "rho_act": rho_act, "rho_dp": rho_dp, "tau": tau,
+        "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,
+        "step_time_s": serial, "step_time_overlapped_s": overlapped,
+        "tokens_per_s": tokens / serial, "tokens_per_s_overlapped": tokens / overlapped,
+        "bytes_per_token": {"pp": 2 * (K - 1) * H * b * rho_act,
+                            "dp": (2 * (D - 1) / D * N * b * rho_dp / tau / S) if D > 1 else 0.0},
+    }
+    if m.anchor:
+        t_clean = cf.t_pp_s(K, S, H, b, 1.0, B_pp) + t_compute
+        push_ratio = powersgd_ratio(arch, cfg.anchor.push_rank) if cfg.anchor.push_rank else 1.0
+        t_pull = cf.t_pull_s(N, K, b, B_dp)
+        t_push = cf.t_push_s(N / K * b * push_ratio, B_dp)
+        out.update({"t_pull_s": t_pull, "t_clean_s": t_clean, "t_push_s": t_push, "t_mask_s": serial,
+                    "k_stale": cf.k_stale(t_pull, t_clean, t_push, serial),
+                    "k_stale_overlapped": cf.k_stale(t_pull, t_clean, t_push, serial, overlap=True)})
+        every = cfg.anchor.every or cfg.anchor.staleness
+        # per cycle: the pull (N b), the push to every fast replica, the anchor's dense PP pass
+        out["bytes_per_token"]["anchor"] = (N * b + N * b * push_ratio * D + 2 * (K - 1) * H * b * S) / (every * tokens)
+    total = sum(out["bytes_per_token"].values())
+    out["bytes_per_token_total"] = total
+    # The paper's "Comm. (B/tok)" (Table 1) is this total spread over the K stages (one GPU's links).
+    out["bytes_per_token_per_stage"] = total / K
+    return out
