@@ -88,3 +88,34 @@ def test_plan_json_has_the_promised_keys(capsys):
     for key in ("tokens_per_s", "step_time_s", "t_compute_s", "t_pp_s", "t_dp_s", "k_stale", "bytes_per_token"):
         assert key in r
     assert set(r["bytes_per_token"]) == {"pp", "dp", "anchor"}
+
+
+from thinpipe.plan.des import PipelineStep, simulate  # noqa: E402
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_des_without_communication_shows_the_pipeline_bubble(schedule):
+    """Compute only: makespan (M + K - 1)(f + b), idle fraction (K - 1) / (M + K - 1)."""
+    K, M, f, b = 4, 6, 1.0, 2.0
+    r = simulate(PipelineStep(K, M, f, b, 0, 0, 1.0, 0.0, schedule))
+    assert r["makespan_s"] == pytest.approx((M + K - 1) * (f + b))
+    assert 1 - r["busy_fraction"] == pytest.approx((K - 1) / (M + K - 1))
+
+
+def test_des_equals_the_closed_form_without_overlap_or_bubble():
+    """One microbatch, no compute: every transfer waits for the previous one, as App. J.1 assumes."""
+    K, S, H, b, rho, B = 5, 256, 64, 2, 0.05, 1000.0
+    msg = S * H * b * rho
+    r = simulate(PipelineStep(K, 1, 0.0, 0.0, msg, msg, B))
+    assert r["makespan_s"] == pytest.approx(cf.t_pp_s(K, S, H, b, rho, B))
+
+
+def test_des_overlaps_transfers_on_different_links_and_adds_latency():
+    K, M, msg, B = 4, 8, 1000.0, 1000.0
+    serial = 2 * (K - 1) * M * msg / B                     # the closed form: one link, one after another
+    r = simulate(PipelineStep(K, M, 0.0, 0.0, msg, msg, B))
+    assert r["makespan_s"] < serial
+    slow = simulate(PipelineStep(K, M, 0.0, 0.0, msg, msg, B, latency_s=0.5))
+    assert slow["makespan_s"] > r["makespan_s"]
+    faster = simulate(PipelineStep(K, M, 0.0, 0.0, msg, msg, 2 * B))
+    assert faster["makespan_s"] < r["makespan_s"]

@@ -94,7 +94,11 @@ def cmd_plan(args) -> int:
             ("DP per step", f"{result['t_dp_s']:.3f} s"),
             ("step time (serialised / overlapped)", f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
             ("tokens/s (serialised / overlapped)",
-             f"{result['tokens_per_s']:.0f} / {result['tokens_per_s_overlapped']:.0f}")]
+             f"{result['tokens_per_s']:.0f} / {result['tokens_per_s_overlapped']:.0f}"),
+            ("schedule simulation: pipeline / bubble", f"{result['des_pipeline_s']:.3f} s / "
+                                                       f"{result['des_bubble_fraction']:.1%}"),
+            ("schedule simulation: tokens/s (serialised / overlapped)",
+             f"{result['des_tokens_per_s']:.0f} / {result['des_tokens_per_s_overlapped']:.0f}")]
     rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in result["bytes_per_token"].items()]
     if "k_stale" in result:
         rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "

@@ -1,7 +1,7 @@
 """``thinpipe plan``: a deployment's speed, bytes per token and anchor staleness, predicted from a
 training config, a model architecture and a device profile with the paper's closed form
-(``closed_form.py``: App. J.1 step time, App. H anchor cycle). Every number says where it comes
-from (``source``).
+(``closed_form.py``: App. J.1 step time, App. H anchor cycle) and, for the pipeline, a
+schedule-level simulation (``des.py``; the ``des_*`` keys). Every number says where it comes from.
 
 Inputs read from the config: mesh.dp (fast replicas D), mesh.pp (stages K), mesh.anchor;
 train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per element);
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from thinpipe.config import Config, ConfigError
 from thinpipe.plan import closed_form as cf
+from thinpipe.plan.des import PipelineStep, simulate
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,9 @@ def plan(cfg: Config, device: Device) -> dict:
     serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
     overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
     tokens = D * S
+    M = t.microbatches
+    pipe = simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b * rho_act,
+                                 S / M * H * b * rho_act, B_pp, link.pp_latency_ms / 1e3, t.schedule))
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
         "model": cfg.model.name, "params": N, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
@@ -130,6 +134,10 @@ def plan(cfg: Config, device: Device) -> dict:
         "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,
         "step_time_s": serial, "step_time_overlapped_s": overlapped,
         "tokens_per_s": tokens / serial, "tokens_per_s_overlapped": tokens / overlapped,
+        "des_source": "schedule simulation (plan/des.py): a link per boundary and direction, the schedule's bubble",
+        "des_pipeline_s": pipe["makespan_s"], "des_bubble_fraction": 1 - pipe["busy_fraction"],
+        "des_step_time_s": pipe["makespan_s"] + t_dp, "des_tokens_per_s": tokens / (pipe["makespan_s"] + t_dp),
+        "des_tokens_per_s_overlapped": tokens / max(pipe["makespan_s"], t_dp),
         "bytes_per_token": {"pp": 2 * (K - 1) * H * b * rho_act,
                             "dp": (2 * (D - 1) / D * N * b * rho_dp / tau / S) if D > 1 else 0.0},
     }

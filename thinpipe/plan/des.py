@@ -1,0 +1,68 @@
+"""Schedule-level discrete-event simulation of one replica's pipeline step.
+
+Refines App. J.1's closed form where it is blind: each boundary has its own link per direction
+(bandwidth + latency, FIFO), stages compute one action at a time in their schedule's order (GPipe
+or 1F1B, ``engine/schedule.py``: the schedules the engines run), and a stage waits for its input.
+So pipelining across boundaries, the fill/drain bubble and per-message latency all show up.
+
+Times in seconds, sizes in bytes, rates in bytes/s. An action F(s, m) starts when stage s is free
+and microbatch m's activation has arrived from stage s-1; B(s, m) when stage s is free and the
+gradient has arrived from stage s+1 (and F(s, m) is done). A message enters its link when the
+action that produced it ends, waits for the link to be free, holds it for bytes / rate and
+arrives ``latency_s`` later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from thinpipe.engine.schedule import SCHEDULES, serial_order
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    stages: int
+    microbatches: int
+    t_forward_s: float            # one microbatch's forward on one stage
+    t_backward_s: float           # its backward
+    fwd_bytes: float              # one microbatch's message across one boundary, forward
+    bwd_bytes: float              # and backward
+    rate_bytes_per_s: float       # every PP link's bandwidth (each direction of each boundary)
+    latency_s: float = 0.0
+    schedule: str = "1f1b"
+
+
+def simulate(p: PipelineStep) -> dict:
+    """Makespan of one step and the busy fraction of the stages (1 - bubble)."""
+    if p.rate_bytes_per_s <= 0:
+        raise ValueError(f"link rate must be > 0 bytes/s, got {p.rate_bytes_per_s}")
+    rows = SCHEDULES[p.schedule](p.stages, p.microbatches)
+    free = [0.0] * p.stages                     # when each stage is next idle
+    link_free: dict[tuple[int, str], float] = {}  # (boundary, direction) -> when the link is next idle
+    arrive: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> arrival time
+    done: dict[tuple[int, str, int], float] = {}
+    busy = 0.0
+    for s, (kind, m) in serial_order(rows):
+        ready = free[s]
+        if kind == "F" and s > 0:
+            ready = max(ready, arrive[(s, "F", m)])
+        if kind == "B":
+            ready = max(ready, done[(s, "F", m)])
+            if s < p.stages - 1:
+                ready = max(ready, arrive[(s, "B", m)])
+        dur = p.t_forward_s if kind == "F" else p.t_backward_s
+        end = ready + dur
+        busy += dur
+        free[s] = done[(s, kind, m)] = end
+        # the message this action produces
+        if kind == "F" and s < p.stages - 1:
+            key, nbytes, to = (s, "fwd"), p.fwd_bytes, s + 1
+        elif kind == "B" and s > 0:
+            key, nbytes, to = (s - 1, "bwd"), p.bwd_bytes, s - 1
+        else:
+            continue
+        start = max(end, link_free.get(key, 0.0))
+        link_free[key] = start + nbytes / p.rate_bytes_per_s
+        arrive[(to, kind, m)] = link_free[key] + p.latency_s
+    makespan = max(free)
+    return {"makespan_s": makespan, "busy_fraction": busy / (p.stages * makespan) if makespan > 0 else 1.0}
