@@ -119,3 +119,15 @@ def test_des_overlaps_transfers_on_different_links_and_adds_latency():
     assert slow["makespan_s"] > r["makespan_s"]
     faster = simulate(PipelineStep(K, M, 0.0, 0.0, msg, msg, 2 * B))
     assert faster["makespan_s"] < r["makespan_s"]
+
+
+def test_bench_prediction_without_links_gives_back_the_calibration_step():
+    """The bench's model: with no bytes on the links and no latency the predicted step is the
+    measured unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1))."""
+    from thinpipe.bench import BASE, predict_step_s
+
+    shaped = {"tokens": 2560, "steps": 10, "bytes_per_token": {"pp_fwd": 0, "pp_bwd": 0, "pp_params": 0, "dp": 0}}
+    assert predict_step_s(0.3, shaped, BASE, 4.0, 4.0, 0.0) == pytest.approx(0.3)
+    with_links = predict_step_s(0.3, {**shaped, "bytes_per_token": {"pp_fwd": 512, "pp_bwd": 512, "pp_params": 0,
+                                                                    "dp": 0}}, BASE, 4.0, 4.0, 5.0)
+    assert with_links > 0.3

@@ -1,4 +1,4 @@
-"""The one command line: ``thinpipe train | launch | plan | eval | export | analyze | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | eval | export | analyze | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -236,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.set_defaults(func=cmd_plan)
 
+    bn = sub.add_parser("bench", help="methods side by side over shaped links, measured vs predicted tokens/s",
+                        add_help=False)
+    bn.add_argument("rest", nargs=argparse.REMAINDER, help="see thinpipe bench --help")
+
     e = sub.add_parser("eval", help="log-likelihood multiple-choice evaluation (lm-eval formats)")
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")
     e.add_argument("--tasks", required=True, help="comma-separated, e.g. arc_easy,piqa,hellaswag")
@@ -262,6 +266,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own options (thinpipe/bench.py)
+        from thinpipe.bench import main as bench
+
+        return bench(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,128 @@
+"""``thinpipe bench``: methods side by side on this machine through the distributed runtime over
+shaped links, each measured tokens/s next to the planner's prediction (issue 7: check the model).
+
+Per arm (a `thinpipe launch` job of the tiny Llama): first a short *unshaped* run measures this
+CPU's step time T0 for the arm (its compute profile: forward, backward, optimizer and Python
+overhead on this machine's cores, with as many processes as the arm has); then the shaped run is
+measured. The prediction replays the step in the schedule simulation (``plan/des.py``) with the
+compute taken from T0 (an unshaped (M + K - 1)-slot pipeline: f + b = T0 / (M + K - 1), f : b =
+1 : 2) and the shaped links' bandwidth and latency, plus the DP all-reduce's modelled ring time
+(``comm/distgroup.py``) and the anchor's nothing (it is off the critical path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from thinpipe.plan.des import PipelineStep, simulate
+
+BASE = {"model.name": "tiny-llama", "data.name": "synthetic", "mesh.pp": 2, "train.batch_size": 4,
+        "train.seq_len": 64, "train.microbatches": 2, "train.lr": 1e-3, "train.checkpoint_every": 0}
+ARMS = {
+    "Dense": {},
+    "M95": {"boundary.kind": "mask", "boundary.p": 0.95},
+    "TopK95": {"boundary.kind": "topk", "boundary.p": 0.95},
+    "MAPL r16": {"boundary.kind": "mapl", "boundary.rank": 16},
+    "Dense, 2 replicas": {"mesh.dp": 2},
+    "M95 + PowerSGD r4, 2 replicas": {"boundary.kind": "mask", "boundary.p": 0.95, "mesh.dp": 2,
+                                      "dp.kind": "powersgd", "dp.rank": 4, "dp.start_step": 0},
+}
+# The anchor circuit as its own row of processes: a cycle starts every 4 fast steps (delta = 4 for
+# the fixed rule; ``arrival`` consumes each prior as soon as it is there and never waits).
+AP = {"mesh.anchor": 1, "anchor.staleness": 4, "anchor.delivery": "arrival"}
+ARMS["M95+AP"] = {**ARMS["M95"], **AP}
+ARMS["M95+AP, push r4"] = {**ARMS["M95"], **AP, "anchor.push_rank": 4}
+ARMS["M95+AP + PowerSGD r4, 2 replicas"] = {**ARMS["M95 + PowerSGD r4, 2 replicas"], **AP, "anchor.push_rank": 4}
+
+
+def run_arm(name: str, cfg: dict, out: Path) -> dict:
+    nproc = cfg["mesh.pp"] * (cfg.get("mesh.dp", 1) + cfg.get("mesh.anchor", 0))
+    folder = out / name.replace(" ", "_").replace(",", "").replace("+", "p")
+    cmd = [sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out", str(folder),
+           "--quiet"] + [x for k, v in cfg.items() for x in ("--set", f"{k}={v}")]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"{name} failed:\n{r.stderr[-2000:]}")
+    return json.loads((folder / "summary.json").read_text())
+
+
+def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps: float, latency_ms: float) -> float:
+    """The shaped step time from the unshaped one (see the module docstring)."""
+    K, M = cfg["mesh.pp"], cfg["train.microbatches"]
+    f_plus_b = t0_s / (M + K - 1)
+    tokens = shaped["tokens"] / shaped["steps"]  # per step, all fast replicas
+    dp = cfg.get("mesh.dp", 1)
+    per_replica = tokens / dp
+    b = shaped["bytes_per_token"]
+    fwd = b["pp_fwd"] * per_replica / M / (K - 1)   # one microbatch's message at one boundary
+    bwd = b["pp_bwd"] * per_replica / M / (K - 1)
+    pipe = simulate(PipelineStep(K, M, f_plus_b / 3, 2 * f_plus_b / 3, fwd, bwd, pp_mbps * 1e6 / 8,
+                                 latency_ms / 1e3, cfg.get("train.schedule", "1f1b")))["makespan_s"]
+    dp_s = 0.0
+    if dp > 1:  # the ring model of DistGroup, per stage group, all stages at once
+        per_rank = b["dp"] * tokens / K / dp
+        dp_s = per_rank * 8 / (dp_mbps * 1e6) + 2 * (dp - 1) * latency_ms / 1e3
+    # MAPL's projector sync rides the PP links (pp_params), once per step
+    params_s = b["pp_params"] * tokens / (K - 1) / dp * 8 / (pp_mbps * 1e6) if b["pp_params"] else 0.0
+    return pipe + dp_s + params_s
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="thinpipe bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--calibration-steps", type=int, default=30)
+    ap.add_argument("--pp-mbps", type=float, default=4.0)
+    ap.add_argument("--dp-mbps", type=float, default=4.0)
+    ap.add_argument("--latency-ms", type=float, default=5.0)
+    ap.add_argument("--only", default="", help="arm names separated by ; (e.g. \"Dense;M95\")")
+    ap.add_argument("--out", default="benchmarks/results/shaped_pipeline.json")
+    args = ap.parse_args(argv)
+    only = [a.strip() for a in args.only.split(";") if a.strip()]
+    unknown = set(only) - set(ARMS)
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {list(ARMS)}")
+    arms = {k: v for k, v in ARMS.items() if not only or k in only}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, sets in arms.items():
+            base = {**BASE, **sets}
+            t0 = run_arm(name + " unshaped", {**base, "train.steps": args.calibration_steps}, Path(tmp))
+            shaped = run_arm(name, {**base, "train.steps": args.steps, "link.pp_mbps": args.pp_mbps,
+                                    "link.pp_latency_ms": args.latency_ms, "link.dp_mbps": args.dp_mbps,
+                                    "link.dp_latency_ms": args.latency_ms}, Path(tmp))
+            step0 = t0["wall_s"] / t0["steps"]
+            predicted = shaped["tokens"] / shaped["steps"] / predict_step_s(step0, shaped, base, args.pp_mbps,
+                                                                            args.dp_mbps, args.latency_ms)
+            results[name] = (shaped, step0, predicted)
+            print(f"done {name}", file=sys.stderr, flush=True)
+    dense = results["Dense"][0]["tokens_per_s"] if "Dense" in results else None
+    head = (f"{'arm':<34}{'tok/s':>8}{'predicted':>11}{'error':>8}{'vs Dense':>10}{'PP B/tok':>10}{'DP B/tok':>10}"
+            f"{'anc B/tok':>11}{'held-out':>10}{'priors':>8}{'stale':>7}")
+    print(head + "\n" + "-" * len(head))
+    rows = {}
+    for name, (s, step0, predicted) in results.items():
+        b = s["bytes_per_token"]
+        pp = b["pp_fwd"] + b["pp_bwd"] + b["pp_params"]
+        stale = s.get("anchor_staleness_mean")
+        err = predicted / s["tokens_per_s"] - 1
+        rows[name] = {"tokens_per_s": s["tokens_per_s"], "predicted_tokens_per_s": predicted, "relative_error": err,
+                      "unshaped_step_s": step0, "ratio_vs_dense": s["tokens_per_s"] / dense if dense else None,
+                      "pp_bytes_per_token": pp, "dp_bytes_per_token": b["dp"], "anchor_bytes_per_token": b["anchor"],
+                      "final_val_loss": s["final_val_loss"], "wall_s": s["wall_s"],
+                      "priors_consumed": s.get("priors_consumed"), "anchor_staleness_mean": stale,
+                      "anchor_staleness_max": s.get("anchor_staleness_max"), "anchor_wait_s": s.get("anchor_wait_s")}
+        ratio = f"{s['tokens_per_s'] / dense:.2f}x" if dense else "-"
+        print(f"{name:<34}{s['tokens_per_s']:>8.0f}{predicted:>11.0f}{err:>+8.0%}{ratio:>10}{pp:>10.0f}{b['dp']:>10.0f}"
+              f"{b['anchor']:>11.0f}{s['final_val_loss']:>10.4f}{s.get('priors_consumed', '-'):>8}"
+              f"{'-' if stale is None else f'{stale:.1f}':>7}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"args": vars(args), "base": BASE, "arms": arms, "results": rows}, indent=2))
+    print(f"saved {args.out}")
+    return 0
