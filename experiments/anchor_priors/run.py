@@ -6,7 +6,8 @@ and plots. Rerun everything with
 
     .venv/bin/python experiments/anchor_priors/run.py --suite main --out experiments/anchor_priors/results
 
-Suites: main (Table 1 arms), p_delta (Table 2 p x delta), tau, alpha, rescale, variants, medical, smoke.
+Suites: main (Table 1 arms), p_delta (Table 2 p x delta), tau, alpha, rescale, variants, control,
+medical, smoke.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ SUITES = {
                  "M95+AP mix": {**mask(0.95), **AP, "anchor.mix": 0.5},
                  "M95+AP pwarmup": {**mask(0.95), **AP, "boundary.p_warmup": 30},
                  "M95 half-boundaries": {**mask(0.95), "boundary.masked": [0, 2]}},
+    # Controls for "what helps is a smaller masked update" (README, Table 2 claims): M95 without AP
+    # at a smaller learning rate, the scale tau = 1e-1 / alpha = 0.3 leaves the update at.
+    "control": {"M95 lr3e-5": {**mask(0.95), "train.lr": 3e-5}, "M95 lr1e-5": {**mask(0.95), "train.lr": 1e-5}},
     # Second domain: MedMCQA -> MedQA-USMLE. MedQA vignettes run to ~400 tokens, so rows are 512
     # long (1 x 512 = the same 512 tokens per step as the math recipe's 4 x 128).
     "medical": {"med Dense": {}, "med M95": mask(0.95), "med M95+AP": {**mask(0.95), **AP},
