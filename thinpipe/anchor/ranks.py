@@ -76,7 +76,6 @@ class AnchorFeed:
         self.anchor_bytes: dict[str, int] = {a_: 0 for a_ in AXES}
         self.staleness_seen: list[int] = []
         self.wait_s = 0.0
-        self.pulls = 0
         self.pulls_skipped = 0
         self._thread = threading.Thread(target=self._receive, name="thinpipe-anchor-push", daemon=True)
         self._thread.start()
@@ -114,7 +113,6 @@ class AnchorFeed:
                                      metered=flat.nbytes)
         except Exception as e:
             self._end(failed=True, why=f"a pull could not be sent ({e})")
-        self.pulls += 1
 
     def flush(self) -> None:
         """Wait for the last pull to have left (at most one is in flight, so memory stays bounded);

@@ -87,8 +87,14 @@ def factorized(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> dict
 def wire_numel(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> int:
     """Values one worker contributes per average: r(n + m) per compressed matrix, numel otherwise."""
     plan = factorized(shapes, state)
-    return sum(r * (n + m) if name in plan else math.prod(shape)
-               for name, shape in shapes.items() for n, m, r in [plan.get(name, (0, 0, 0))])
+    total = 0
+    for name, shape in shapes.items():
+        if name in plan:
+            n, m, r = plan[name]
+            total += r * (n + m)
+        else:
+            total += math.prod(shape)
+    return total
 
 
 def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], group, rank: int,
