@@ -131,3 +131,93 @@ def test_bench_prediction_without_links_gives_back_the_calibration_step():
     with_links = predict_step_s(0.3, {**shaped, "bytes_per_token": {"pp_fwd": 512, "pp_bwd": 512, "pp_params": 0,
                                                                     "dp": 0}}, BASE, 4.0, 4.0, 5.0)
     assert with_links > 0.3
+
+
+# --- advice: --target-tps / --max-mbps -------------------------------------------------------
+
+from thinpipe.plan.advice import MAX_STALENESS, advise, candidates  # noqa: E402
+
+
+def _cfg(*sets):
+    s = {**PRESETS["paper-llama1b"]}
+    s.update(dict(x.split("=", 1) for x in sets))
+    return load_config(None, [f"{k}={v}" for k, v in s.items()])
+
+
+@pytest.mark.parametrize("target", [2000, 3000, 30000, 45000])
+def test_advice_meets_the_target_with_the_least_compression(target):
+    cfg, dev = _cfg(), DEVICES["a100-40gb"]
+    a = advise(cfg, dev, target_tps=target)
+    assert a["feasible"] and a["plan"]["tokens_per_s"] >= target
+    chosen = (float(a["settings"].get("boundary.p", 0)), a["plan"]["dp_compression_x"])
+    # every setting that is less compressed in the advice's order misses the target
+    for c in candidates(cfg, dev):
+        if (c.p, c.dp_compression_x) < chosen:
+            assert c.result["tokens_per_s"] < target
+    # and the stability limits hold
+    assert chosen[0] <= 0.95 and a["plan"]["powersgd_x"] <= 64
+
+
+def test_advice_asks_for_more_compression_as_the_target_rises():
+    cfg, dev = _cfg(), DEVICES["a100-40gb"]
+    order = [advise(cfg, dev, target_tps=t) for t in (1000, 3000, 10000, 30000, 50000)]
+    keys = [(float(a["settings"].get("boundary.p", 0)), a["plan"]["dp_compression_x"]) for a in order]
+    assert keys == sorted(keys)
+
+
+def test_advice_says_when_no_setting_can_and_why(capsys):
+    a = advise(_cfg(), DEVICES["a100-40gb"], target_tps=1e6)
+    assert not a["feasible"] and "bound by PP" in a["why"]
+    assert main(["plan", "--preset", "paper-llama1b", "--target-tps", "1e6"]) == 1
+    assert "no setting meets it" in capsys.readouterr().out
+
+
+def test_advice_respects_the_anchor_staleness_limit():
+    """Compressing more shortens the fast step and so makes the anchor's priors staler (App. H)."""
+    cfg = _cfg("mesh.anchor=1", "link.dp_mbps=100")
+    a = advise(cfg, DEVICES["a100-40gb"], target_tps=57000)
+    assert not a["feasible"] and "too stale" in a["why"]
+    ok = advise(cfg, DEVICES["a100-40gb"], target_tps=20000)
+    assert ok["feasible"] and ok["plan"]["k_stale"] <= MAX_STALENESS
+
+
+def test_max_mbps_sets_the_links_and_asks_that_they_keep_up():
+    """A 10 GFLOP/s device on a small model: slower links need more compression to keep up."""
+    from thinpipe.plan.device import Device
+
+    cfg = _cfg("model.name=small-llama", "mesh.pp=2", "mesh.dp=2", "train.seq_len=256", "train.microbatches=4")
+    keys = []
+    for mbps in (100, 10, 1, 0.5):
+        a = advise(cfg, Device(1e10, 1.0), max_mbps=mbps)
+        assert a["feasible"] and f"{mbps:g} Mbit/s" in a["goal"]
+        assert max(a["plan"]["t_pp_s"], a["plan"]["t_dp_s"]) <= a["plan"]["t_compute_s"]
+        keys.append((float(a["settings"].get("boundary.p", 0)), a["plan"]["dp_compression_x"]))
+    assert keys == sorted(keys) and keys[0] == (0.0, 1.0) and keys[-1][0] == 0.95
+
+
+@pytest.mark.parametrize("args, message", [(["--target-tps", "0"], "--target-tps must be > 0"),
+                                           (["--max-mbps", "-1"], "--max-mbps must be > 0")])
+def test_advice_bad_inputs(args, message, capsys):
+    assert main(["plan", "--preset", "paper-llama1b"] + args) == 2
+    assert message in capsys.readouterr().err
+
+
+# --- device profiles and shared links ---------------------------------------------------------
+
+def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
+    from thinpipe.plan import device as dv
+    from thinpipe.plan.planner import ARCHITECTURES
+
+    monkeypatch.setenv("THINPIPE_CACHE", str(tmp_path))
+    first = dv.resolve_device("cpu", ARCHITECTURES["tiny-llama"], "float32")
+    assert first.peak_flops > 1e6 and first.mfu == 1.0 and "measured" in first.source
+    assert (tmp_path / "device_profiles.json").is_file()
+    monkeypatch.setattr(dv.time, "perf_counter", lambda: pytest.fail("measured again despite the cache"))
+    assert dv.resolve_device("cpu", ARCHITECTURES["tiny-llama"], "float32") == first
+
+
+def test_shared_links_slow_the_pipeline_by_the_replica_count():
+    one = _plan(boundary__kind="mask", boundary__p=0.95, mesh__dp=1)
+    assert one["des_shared_pipeline_s"] == pytest.approx(one["des_pipeline_s"])
+    seven = _plan(boundary__kind="mask", boundary__p=0.95)
+    assert seven["des_shared_pipeline_s"] > 3 * seven["des_pipeline_s"]

@@ -1,10 +1,13 @@
 """``thinpipe bench``: methods side by side on this machine through the distributed runtime over
 shaped links, each measured tokens/s next to the planner's prediction (issue 7: check the model).
 
-Per arm (a `thinpipe launch` job of the tiny Llama): first a short *unshaped* run measures this
+Per arm (a `thinpipe launch` job of the tiny Llama): first a short calibration run measures this
 CPU's step time T0 for the arm (its compute profile: forward, backward, optimizer and Python
-overhead on this machine's cores, with as many processes as the arm has); then the shaped run is
-measured. The prediction replays the step in the schedule simulation (``plan/des.py``) with the
+overhead on this machine's cores, with as many processes as the arm has). It runs over the same
+shaped transport as the measured run (sender threads and all) but at 1 Tbit/s and no latency, so
+the transport's own CPU cost is in T0 and only the links' rate and latency are left to predict.
+Then the shaped run is measured: links shaped in the transport, or with ``--netns`` by the kernel
+(each rank in its own network namespace, tc rates; root only). The prediction replays the step in the schedule simulation (``plan/des.py``) with the
 compute taken from T0 (an unshaped (M + K - 1)-slot pipeline: f + b = T0 / (M + K - 1), f : b =
 1 : 2) and the shaped links' bandwidth and latency, plus the DP all-reduce's modelled ring time
 (``comm/distgroup.py``) and the anchor's nothing (it is off the critical path).
@@ -40,11 +43,15 @@ ARMS["M95+AP, push r4"] = {**ARMS["M95"], **AP, "anchor.push_rank": 4}
 ARMS["M95+AP + PowerSGD r4, 2 replicas"] = {**ARMS["M95 + PowerSGD r4, 2 replicas"], **AP, "anchor.push_rank": 4}
 
 
-def run_arm(name: str, cfg: dict, out: Path) -> dict:
+# The calibration run's links: the shaped transport's code path, at a rate that costs no time.
+CALIBRATION_MBPS = 1e6
+
+
+def run_arm(name: str, cfg: dict, out: Path, netns: bool = False) -> dict:
     nproc = cfg["mesh.pp"] * (cfg.get("mesh.dp", 1) + cfg.get("mesh.anchor", 0))
     folder = out / name.replace(" ", "_").replace(",", "").replace("+", "p")
-    cmd = [sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out", str(folder),
-           "--quiet"] + [x for k, v in cfg.items() for x in ("--set", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc)] + (["--netns"] if netns else []) + [
+        "--", "train", "--out", str(folder), "--quiet"] + [x for k, v in cfg.items() for x in ("--set", f"{k}={v}")]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if r.returncode:
         raise SystemExit(f"{name} failed:\n{r.stderr[-2000:]}")
@@ -52,7 +59,7 @@ def run_arm(name: str, cfg: dict, out: Path) -> dict:
 
 
 def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps: float, latency_ms: float) -> float:
-    """The shaped step time from the unshaped one (see the module docstring)."""
+    """The shaped step time from the calibration run's (see the module docstring)."""
     K, M = cfg["mesh.pp"], cfg["train.microbatches"]
     f_plus_b = t0_s / (M + K - 1)
     tokens = shaped["tokens"] / shaped["steps"]  # per step, all fast replicas
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp-mbps", type=float, default=4.0)
     ap.add_argument("--latency-ms", type=float, default=5.0)
     ap.add_argument("--only", default="", help="arm names separated by ; (e.g. \"Dense;M95\")")
+    ap.add_argument("--netns", action="store_true", help="shape the measured runs in the kernel: each rank in its "
+                                                         "own network namespace with tc rates (Linux, root)")
     ap.add_argument("--out", default="benchmarks/results/shaped_pipeline.json")
     args = ap.parse_args(argv)
     only = [a.strip() for a in args.only.split(";") if a.strip()]
@@ -93,10 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, sets in arms.items():
             base = {**BASE, **sets}
-            t0 = run_arm(name + " unshaped", {**base, "train.steps": args.calibration_steps}, Path(tmp))
-            shaped = run_arm(name, {**base, "train.steps": args.steps, "link.pp_mbps": args.pp_mbps,
-                                    "link.pp_latency_ms": args.latency_ms, "link.dp_mbps": args.dp_mbps,
-                                    "link.dp_latency_ms": args.latency_ms}, Path(tmp))
+            t0 = run_arm(name + " calibration", {**base, "train.steps": args.calibration_steps,
+                                                 "link.pp_mbps": CALIBRATION_MBPS, "link.dp_mbps": CALIBRATION_MBPS},
+                         Path(tmp))
+            links = {"link.pp_mbps": args.pp_mbps, "link.pp_latency_ms": args.latency_ms,
+                     "link.dp_mbps": args.dp_mbps, "link.dp_latency_ms": args.latency_ms}
+            if args.netns:
+                links["link.shaper"] = "kernel"
+            shaped = run_arm(name, {**base, "train.steps": args.steps, **links}, Path(tmp), netns=args.netns)
             step0 = t0["wall_s"] / t0["steps"]
             predicted = shaped["tokens"] / shaped["steps"] / predict_step_s(step0, shaped, base, args.pp_mbps,
                                                                             args.dp_mbps, args.latency_ms)
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         stale = s.get("anchor_staleness_mean")
         err = predicted / s["tokens_per_s"] - 1
         rows[name] = {"tokens_per_s": s["tokens_per_s"], "predicted_tokens_per_s": predicted, "relative_error": err,
-                      "unshaped_step_s": step0, "ratio_vs_dense": s["tokens_per_s"] / dense if dense else None,
+                      "calibration_step_s": step0, "ratio_vs_dense": s["tokens_per_s"] / dense if dense else None,
                       "pp_bytes_per_token": pp, "dp_bytes_per_token": b["dp"], "anchor_bytes_per_token": b["anchor"],
                       "final_val_loss": s["final_val_loss"], "wall_s": s["wall_s"],
                       "priors_consumed": s.get("priors_consumed"), "anchor_staleness_mean": stale,

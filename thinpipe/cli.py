@@ -73,7 +73,9 @@ def cmd_launch(args) -> int:
 
 def cmd_plan(args) -> int:
     """Predicted step time, tokens/s, bytes per token and anchor staleness (thinpipe/plan)."""
-    from thinpipe.plan.planner import DEVICES, PRESET_DEVICE, PRESETS, plan
+    from thinpipe.plan.advice import advise
+    from thinpipe.plan.device import resolve_device
+    from thinpipe.plan.planner import ARCHITECTURES, PRESET_DEVICE, PRESETS, plan
 
     sets = []
     if args.preset:
@@ -82,14 +84,19 @@ def cmd_plan(args) -> int:
         sets = [f"{k}={v}" for k, v in PRESETS[args.preset].items()]
     cfg = load_config(args.config, sets + args.set)
     name = args.device or PRESET_DEVICE.get(args.preset, "a100-40gb")
-    if name not in DEVICES:
-        raise ConfigError(f"unknown device {name!r}: choose one of {', '.join(sorted(DEVICES))}")
-    result = plan(cfg, DEVICES[name])
+    if cfg.model.name not in ARCHITECTURES:
+        raise ConfigError(f"thinpipe plan knows no architecture {cfg.model.name!r}: choose one of "
+                          f"{', '.join(sorted(ARCHITECTURES))}")
+    device = resolve_device(name, ARCHITECTURES[cfg.model.name], cfg.train.dtype, args.remeasure)
+    if args.target_tps is not None or args.max_mbps is not None:
+        return _print_advice(advise(cfg, device, args.target_tps, args.max_mbps), name, args.json)
+    result = plan(cfg, device)
     result["device"] = name
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    rows = [("source", result["source"]), ("device", name),
+    rows = [("source", result["source"]), ("device", f"{name} ({result['device_source']}): "
+                                                       f"{result['device_flops'] / 1e12:.3g} TFLOP/s"),
             ("compute per step", f"{result['t_compute_s']:.3f} s"), ("PP per step", f"{result['t_pp_s']:.3f} s"),
             ("DP per step", f"{result['t_dp_s']:.3f} s"),
             ("step time (serialised / overlapped)", f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
@@ -98,7 +105,8 @@ def cmd_plan(args) -> int:
             ("schedule simulation: pipeline / bubble", f"{result['des_pipeline_s']:.3f} s / "
                                                        f"{result['des_bubble_fraction']:.1%}"),
             ("schedule simulation: tokens/s (serialised / overlapped)",
-             f"{result['des_tokens_per_s']:.0f} / {result['des_tokens_per_s_overlapped']:.0f}")]
+             f"{result['des_tokens_per_s']:.0f} / {result['des_tokens_per_s_overlapped']:.0f}"),
+            ("schedule simulation, links shared by replicas: tokens/s", f"{result['des_shared_tokens_per_s']:.0f}")]
     rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in result["bytes_per_token"].items()]
     if "k_stale" in result:
         rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
@@ -107,6 +115,27 @@ def cmd_plan(args) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def _print_advice(advice: dict, device: str, as_json: bool) -> int:
+    advice["device"] = device
+    if as_json:
+        print(json.dumps(advice, indent=2))
+        return 0 if advice["feasible"] else 1
+    print(f"goal: {advice['goal']} on {device}; {advice['searched']} settings searched within p <= "
+          f"{advice['limits']['p_max']}, PowerSGD <= {advice['limits']['powersgd_max_x']:g}x, H <= "
+          f"{advice['limits']['h_max']}" + (f", K_stale <= {advice['limits']['k_stale_max']:g}"
+                                            if advice["limits"]["k_stale_max"] else ""))
+    if not advice["feasible"]:
+        print(f"no setting meets it: {advice['why']}")
+        return 1
+    r = advice["plan"]
+    print("least compression that meets it:  " + " ".join(f"--set {k}={v}" for k, v in advice["settings"].items()))
+    print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
+          f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP {r['t_dp_s']:.3f}, "
+          f"{r['bytes_per_token_total']:.0f} B/token, DP compression {r['dp_compression_x']:.0f}x"
+          + (f", K_stale {r['k_stale']:.1f}" if "k_stale" in r else ""))
     return 0
 
 
@@ -232,8 +261,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", help="a deployment preset, e.g. paper-llama1b")
     pl.add_argument("--config", help="TOML config file")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. boundary.p=0.95")
-    pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 (default: the preset's, else a100-40gb)")
+    pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 | cpu (measured here, cached) (default: the preset's, else a100-40gb)")
     pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.add_argument("--remeasure", action="store_true", help="with --device cpu: measure again instead of the cached "
+                                                             "profile (do it on an idle machine)")
+    pl.add_argument("--target-tps", type=float, help="advice: the least compression (mask p, PowerSGD rank, DiLoCo H) "
+                                                     "reaching this many tokens/s (exit 1 if none can)")
+    pl.add_argument("--max-mbps", type=float, help="advice: every link at this many Mbit/s; without --target-tps, the "
+                                                   "least compression at which the links keep up with compute (overlapped)")
     pl.set_defaults(func=cmd_plan)
 
     bn = sub.add_parser("bench", help="methods side by side over shaped links, measured vs predicted tokens/s",

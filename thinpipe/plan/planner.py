@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from thinpipe.config import Config, ConfigError
 from thinpipe.plan import closed_form as cf
 from thinpipe.plan.des import PipelineStep, simulate
+from thinpipe.plan.device import DEVICES, Device  # noqa: F401  (DEVICES: re-exported)
 
 
 @dataclass(frozen=True)
@@ -48,20 +49,6 @@ ARCHITECTURES = {
     "tiny-llama": Architecture(0.3e6, 4, 64, 128, 4, 4, 512, False),
 }
 
-
-@dataclass(frozen=True)
-class Device:
-    peak_flops: float
-    """Dense bf16 tensor-core peak, FLOP/s (vendor data sheets)."""
-    mfu: float = 0.5
-    """Model FLOPs utilisation assumed (the paper's App. J: ~50%)."""
-
-
-DEVICES = {
-    "a100-40gb": Device(312e12),
-    "h100": Device(989e12),
-    "rtx-4090": Device(165e12),
-}
 
 PRESETS = {
     # The anchor-priors paper's setting (§5.1, App. H.2, App. J): Llama-3.2-1B, 8 stages, 7 fast
@@ -125,10 +112,18 @@ def plan(cfg: Config, device: Device) -> dict:
     overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
     tokens = D * S
     M = t.microbatches
-    pipe = simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b * rho_act,
-                                 S / M * H * b * rho_act, B_pp, link.pp_latency_ms / 1e3, t.schedule))
+
+    def pipeline(rate: float) -> dict:
+        return simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b * rho_act,
+                                     S / M * H * b * rho_act, rate, link.pp_latency_ms / 1e3, t.schedule))
+
+    pipe = pipeline(B_pp)
+    # One NIC per stage position carrying all D replicas' traffic for that boundary: D flows in
+    # lockstep share it fairly (as TCP flows do), so each replica's transfers see B / D.
+    shared = pipeline(B_pp / D)
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
+        "device_source": device.source, "device_flops": device.peak_flops * device.mfu,
         "model": cfg.model.name, "params": N, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
         "rho_act": rho_act, "rho_dp": rho_dp, "tau": tau,
         "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,
@@ -138,6 +133,8 @@ def plan(cfg: Config, device: Device) -> dict:
         "des_pipeline_s": pipe["makespan_s"], "des_bubble_fraction": 1 - pipe["busy_fraction"],
         "des_step_time_s": pipe["makespan_s"] + t_dp, "des_tokens_per_s": tokens / (pipe["makespan_s"] + t_dp),
         "des_tokens_per_s_overlapped": tokens / max(pipe["makespan_s"], t_dp),
+        "des_shared_source": "schedule simulation with every PP link shared fairly by the D replicas of its stages",
+        "des_shared_pipeline_s": shared["makespan_s"], "des_shared_tokens_per_s": tokens / (shared["makespan_s"] + t_dp),
         "bytes_per_token": {"pp": 2 * (K - 1) * H * b * rho_act,
                             "dp": (2 * (D - 1) / D * N * b * rho_dp / tau / S) if D > 1 else 0.0},
     }

@@ -1,0 +1,154 @@
+"""``thinpipe plan --target-tps X`` / ``--max-mbps B``: the least compression that meets a target.
+
+Searches the three knobs the anchor-priors paper turns (§5, App. H, J): the activation mask ratio
+p, the PowerSGD rank of the DP exchange and DiLoCo's H, on the user's mesh, model, links and device,
+inside the paper's stability limits:
+
+- p <= 0.95 (§5.2: 99% masking diverges or degrades sharply);
+- PowerSGD at most 64x (the paper's setting; higher ratios were not shown to train);
+- DiLoCo H <= 500 (DiLoCo's own range; dp-algorithms.md);
+- with the anchor circuit, K_stale <= 25 fast steps (App. H.3: priors older than ~20-25 steps no
+  longer help). Compressing more makes fast steps shorter and so the anchor's priors *staler*:
+  this limit can make a target unreachable even where bandwidth alone would allow it.
+
+"Least compression" is ordered: first the smallest p, then the smallest DP compression (PowerSGD
+ratio x H). Masking goes last because it is what costs held-out loss in our measurements (issue 3:
+every masked arm ends above Dense), while DP compression with DiLoCo costs little at H = 10.
+
+The target is met on the closed form's serialised tokens/s (App. J.1: the conservative number, and
+the one that fits the paper's Table 1 best, docs/plan.md); ``--max-mbps B`` sets every link to B
+Mbit/s and, without ``--target-tps``, asks for the least compression at which the links keep up
+with compute when communication overlaps it (App. J.1's overlapped form): max(T_PP, T_DP) <= T_compute.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from thinpipe.config import Config, ConfigError, apply_overrides
+from thinpipe.plan.planner import ARCHITECTURES, Device, plan, powersgd_ratio
+
+MAX_P = 0.95
+MAX_POWERSGD_X = 64.0
+MAX_H = 500
+MAX_STALENESS = 25.0
+P_GRID = (0.0, 0.5, 0.75, 0.8, 0.9, 0.95)
+RANK_GRID = (256, 128, 64, 32, 16, 8, 4, 2, 1)
+H_GRID = (1, 10, 20, 50, 100, 200, 500)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    p: float
+    dp_kind: str
+    dp_rank: int
+    h: int
+    powersgd_x: float
+    result: dict
+
+    @property
+    def dp_compression_x(self) -> float:
+        return self.powersgd_x * self.h
+
+    def settings(self) -> dict[str, str]:
+        s = {"boundary.kind": "identity" if self.p == 0 else "mask"}
+        if self.p:
+            s["boundary.p"] = f"{self.p:g}"
+        s["dp.kind"] = self.dp_kind
+        if self.dp_kind != "allreduce":
+            s["dp.rank"] = str(self.dp_rank)
+        if self.dp_kind == "diloco":
+            s["dp.inner_steps"] = str(self.h)
+        return s
+
+
+def _dp_options(cfg: Config) -> list[tuple[str, int, int, float]]:
+    """(dp.kind, dp.rank, H, PowerSGD ratio x) within the limits; one replica needs none."""
+    if cfg.mesh.dp <= 1:
+        return [("allreduce", 0, 1, 1.0)]
+    arch = ARCHITECTURES[cfg.model.name]
+    ranks = [(0, 1.0)] + [(r, 1 / powersgd_ratio(arch, r)) for r in RANK_GRID]
+    ranks = [(r, x) for r, x in ranks if x <= MAX_POWERSGD_X]
+    out = [("allreduce", 0, 1, 1.0)] + [("powersgd", r, 1, x) for r, x in ranks if r]
+    out += [("diloco", r, h, x) for r, x in ranks for h in H_GRID if h > 1 and h <= MAX_H]
+    return out
+
+
+def candidates(cfg: Config, device: Device) -> list[Candidate]:
+    """Every setting on the grid, planned, in order of increasing compression."""
+    out = []
+    for p in P_GRID:
+        for kind, rank, h, x in _dp_options(cfg):
+            c = copy.deepcopy(cfg)
+            sets = {"boundary.kind": "identity" if p == 0 else "mask", "dp.kind": kind, "dp.rank": rank,
+                    "dp.inner_steps": h}
+            if p:
+                sets["boundary.p"] = p
+            apply_overrides(c, sets, source="plan advice")
+            out.append(Candidate(p, kind, rank, h, x, plan(c, device)))
+    out.sort(key=lambda c: (c.p, c.dp_compression_x))
+    return out
+
+
+def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbps: float | None = None) -> dict:
+    """The least-compressed setting that meets the target, or why none does."""
+    if target_tps is None and max_mbps is None:
+        raise ConfigError("advice needs --target-tps (tokens/s) and/or --max-mbps (Mbit/s per link)")
+    if target_tps is not None and target_tps <= 0:
+        raise ConfigError(f"--target-tps must be > 0 tokens/s, got {target_tps}")
+    cfg = copy.deepcopy(cfg)
+    if max_mbps is not None:
+        if max_mbps <= 0:
+            raise ConfigError(f"--max-mbps must be > 0 Mbit/s, got {max_mbps}")
+        apply_overrides(cfg, {"link.pp_mbps": max_mbps, "link.dp_mbps": max_mbps}, source="--max-mbps")
+    if target_tps is not None:
+        goal = f"tokens/s >= {target_tps:g} (closed form, serialised)"
+
+        def meets(r: dict) -> bool:
+            return r["tokens_per_s"] >= target_tps
+    else:
+        goal = f"links keep up with compute at {max_mbps:g} Mbit/s (overlapped: max(T_PP, T_DP) <= T_compute)"
+
+        def meets(r: dict) -> bool:
+            return max(r["t_pp_s"], r["t_dp_s"]) <= r["t_compute_s"]
+
+    def stable(r: dict) -> bool:
+        return r.get("k_stale", 0.0) <= MAX_STALENESS
+
+    cands = candidates(cfg, device)
+    fast_enough = [c for c in cands if meets(c.result)]
+    ok = [c for c in fast_enough if stable(c.result)]
+    out = {"goal": goal, "limits": {"p_max": MAX_P, "powersgd_max_x": MAX_POWERSGD_X, "h_max": MAX_H,
+                                    "k_stale_max": MAX_STALENESS if cfg.mesh.anchor else None},
+           "searched": len(cands)}
+    if ok:
+        best = ok[0]
+        out.update(feasible=True, settings=best.settings(), plan=_summary(best))
+        return out
+    # Nothing meets the goal: say what limits it.
+    fastest = max(cands, key=lambda c: c.result["tokens_per_s"])
+    out.update(feasible=False, fastest=_summary(fastest), fastest_settings=fastest.settings())
+    if fast_enough:
+        least_stale = min(fast_enough, key=lambda c: c.result.get("k_stale", 0.0))
+        out["why"] = (f"settings fast enough exist, but their anchor priors are too stale: the least is "
+                      f"K_stale = {least_stale.result['k_stale']:.1f} steps > {MAX_STALENESS:g} "
+                      f"({_describe(least_stale)}); give the anchor more bandwidth or run it without the target")
+    else:
+        r = fastest.result
+        bound = max(("compute", r["t_compute_s"]), ("PP", r["t_pp_s"]), ("DP", r["t_dp_s"]), key=lambda kv: kv[1])
+        out["why"] = (f"no setting within the limits reaches it: the fastest ({_describe(fastest)}) gives "
+                      f"{r['tokens_per_s']:.0f} tokens/s, bound by {bound[0]} ({bound[1]:.2f} s of a "
+                      f"{r['step_time_s']:.2f} s step); add replicas, bandwidth or faster devices")
+    return out
+
+
+def _describe(c: Candidate) -> str:
+    return ", ".join(f"{k}={v}" for k, v in c.settings().items())
+
+
+def _summary(c: Candidate) -> dict:
+    r = c.result
+    keys = ("tokens_per_s", "tokens_per_s_overlapped", "step_time_s", "t_compute_s", "t_pp_s", "t_dp_s",
+            "bytes_per_token_total", "k_stale")
+    return {**{k: r[k] for k in keys if k in r}, "powersgd_x": c.powersgd_x, "dp_compression_x": c.dp_compression_x}
