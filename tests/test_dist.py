@@ -41,6 +41,14 @@ CASES = {
                                                     "--set", "dp.start_step=1", "--set", "anchor.staleness=2",
                                                     "--set", "anchor.every=1", "--set", "anchor.push_rank=2",
                                                     "--set", "train.steps=6"]),
+    # AQ-SGD's per-example buffers at both ends of two boundaries: 2 rows, so steps 2-5 revisit them.
+    "AQ-SGD over revisited rows, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
+                                                 "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
+                                                 "--set", "train.steps=5"]),
+    # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
+    "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                                              "--set", "mesh.dp=2", "--set", "boundary.kind=bottleneck",
+                                              "--set", "boundary.p=0.75"]),
     # (MAPL-VQ has no anchor circuit: its boundary is part of the model, so there is no dense pass.)
     "top-K + AP + DiLoCo, dense push, 2 x 2 + anchor row": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                                                "--set", "mesh.dp=2", "--set", "mesh.anchor=1",

@@ -66,7 +66,7 @@ def test_monotone_in_bandwidth_and_mask_ratio():
     (["link.pp_mbps=0"], "needs link bandwidths"),
     (["mesh.pp=32"], "has 16 layers"),
     (["model.name=gpt-17"], "knows no architecture"),
-    (["boundary.kind=mapl"], "identity, mask or topk"),
+    (["boundary.kind=mapl"], "identity, mask, topk"),
 ])
 def test_bad_inputs_give_one_line_errors(sets, message, capsys):
     args = ["plan", "--preset", "paper-llama1b"] + [x for s in sets for x in ("--set", s)]
@@ -221,3 +221,18 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
     assert one["des_shared_pipeline_s"] == pytest.approx(one["des_pipeline_s"])
     seven = _plan(boundary__kind="mask", boundary__p=0.95)
     assert seven["des_shared_pipeline_s"] > 3 * seven["des_pipeline_s"]
+
+
+@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck"])
+def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
+    """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
+    and boundary, on SmolLM2 (H 576) at fp32."""
+    from thinpipe.boundary import build_boundaries
+
+    sets = {"model.name": "smollm2-135m", "mesh.pp": "2", "boundary.kind": kind, "train.dtype": "float32",
+            "link.pp_mbps": "100"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+    b = build_boundaries(cfg.boundary, 2, 576, 0, None)[0]
+    fwd, bwd = b.expected_bytes(1024, 4)
+    got = plan(cfg, DEVICES["a100-40gb"])["bytes_per_token"]["pp"]
+    assert got == pytest.approx((fwd + bwd) / 1024, rel=0.01)

@@ -81,8 +81,12 @@ class MeshConfig:
                 raise ConfigError(f"mesh.split entries must be >= 1 layer each, got {self.split}")
 
 
-BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq")
-ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq")  # part of the model: training and evaluation run through them
+BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq", "quant4", "quant2", "aqsgd", "tahquant",
+                  "bottleneck")
+ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq", "bottleneck")
+# (forward, backward) bits of the quantising kinds when boundary.fwd_bits / bwd_bits are 0:
+# Table 4's 4-bit Quant (4x against a 16-bit wire) and AQ-SGD / TAH-Quant at "8/2x".
+QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8)}  # part of the model: training and evaluation run through them
 
 
 @dataclass(kw_only=True, slots=True)
@@ -91,7 +95,11 @@ class BoundaryConfig:
     """PP boundary compressor: ``identity`` (dense), ``mask`` (PRF random activation masking, §3.1),
     ``topk`` (the K largest-magnitude dims per token, indices sent; App. F's biased baseline),
     ``ssn`` (Subspace Networks: fixed shared basis, confined weights; MAPL App. A), ``mapl`` (learned
-    Stiefel projector + stage anchors; MAPL §3.2) or ``mapl-vq`` (MAPL + residual VQ; §3.5)."""
+    Stiefel projector + stage anchors; MAPL §3.2) or ``mapl-vq`` (MAPL + residual VQ; §3.5); the
+    activation-compression baselines of anchor-priors Table 4: ``quant4`` / ``quant2`` (uniform
+    4 / 2-bit), ``aqsgd`` (AQ-SGD: quantised change against a per-example buffer), ``tahquant``
+    (tile-wise adaptive Hadamard quantisation) and ``bottleneck`` (a learned linear down/up pair
+    of K = (1-p) H dims). docs/baselines.md has each one's details."""
     p: float = 0.95
     """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
@@ -129,10 +137,28 @@ class BoundaryConfig:
     """``mapl-vq``: codebook slots streamed per microbatch and direction (§3.5: 1/K of the codebook)."""
     vq_decay: float = 0.95
     """``mapl-vq``: EMA decay of the k-means codebook updates."""
+    fwd_bits: int = 0
+    """Quantising kinds: bits per activation value (0 = the kind's default: quant4 4, quant2 2,
+    aqsgd / tahquant 2)."""
+    bwd_bits: int = 0
+    """Quantising kinds: bits per activation-gradient value (0 = default: quant4 4, quant2 2,
+    aqsgd / tahquant 8, i.e. Table 4's 8x forward / 2x backward against a 16-bit wire)."""
+    quant_group: int = 64
+    """Quantising kinds: hidden dims per scale group (tile) of one token; 0 = one group per token.
+    Must divide the hidden size (tahquant: a power of two <= 64)."""
+    tah_high_fraction: float = 0.25
+    """``tahquant``: fraction of tiles (highest code entropy) quantised with one extra bit."""
+    tah_outlier_ratio: float = 4.0
+    """``tahquant``: a tile whose absmax exceeds this many times its RMS is Hadamard-rotated."""
     ssn_refresh_every: int = 500
     """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
     ssn_refresh_lr: float = 0.01
     """``ssn``: Grassmann step size (Table 8: 1e-2)."""
+
+    def bits(self) -> tuple[int, int]:
+        """(forward, backward) bits of a quantising kind, defaults filled in."""
+        fwd, bwd = QUANT_BITS.get(self.kind, (0, 0))
+        return self.fwd_bits or fwd, self.bwd_bits or bwd
 
     def validate(self) -> None:
         if self.kind not in BOUNDARY_KINDS:
@@ -166,6 +192,20 @@ class BoundaryConfig:
                 raise ConfigError("boundary.vq_codes must be >= 2, vq_rounds >= 1 and 1 <= vq_sync_codes <= vq_codes")
             if not 0 <= self.vq_decay < 1:
                 raise ConfigError(f"boundary.vq_decay must be in [0, 1), got {self.vq_decay}")
+        if not 0 <= self.fwd_bits <= 8 or not 0 <= self.bwd_bits <= 8:
+            raise ConfigError(f"boundary.fwd_bits and boundary.bwd_bits must be in 1..8 (0 = the kind's default), got "
+                              f"{self.fwd_bits} and {self.bwd_bits}")
+        if self.kind == "tahquant" and self.bits()[0] > 7:
+            raise ConfigError("boundary.fwd_bits must be <= 7 for tahquant (its high-entropy tiles get one more bit)")
+        if self.quant_group < 0:
+            raise ConfigError(f"boundary.quant_group must be >= 0 (0 = per token), got {self.quant_group}")
+        if self.kind == "tahquant" and (not self.quant_group or self.quant_group & (self.quant_group - 1)
+                                        or self.quant_group > 64):
+            raise ConfigError(f"boundary.quant_group must be a power of two <= 64 for tahquant (its Hadamard tiles), "
+                              f"got {self.quant_group}")
+        if not 0 <= self.tah_high_fraction <= 1 or self.tah_outlier_ratio <= 0:
+            raise ConfigError("boundary.tah_high_fraction must be in [0, 1] and boundary.tah_outlier_ratio > 0, got "
+                              f"{self.tah_high_fraction} and {self.tah_outlier_ratio}")
         if self.ssn_refresh_every < 0 or self.ssn_refresh_lr < 0:
             raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.boundary.aqsgd import AqsgdBoundary
 from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.bottleneck import BottleneckBoundary
 from thinpipe.boundary.mapl import MaplBoundary
 from thinpipe.boundary.mapl_vq import MaplVQBoundary
 from thinpipe.boundary.mask import MaskBoundary, kept_dims
+from thinpipe.boundary.quant import QuantBoundary
 from thinpipe.boundary.ssn import SsnBoundary, SubspaceBasis
+from thinpipe.boundary.tahquant import TahQuantBoundary
 from thinpipe.boundary.topk import TopKBoundary
 
-__all__ = ["Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary", "Payload", "SsnBoundary", "SubspaceBasis",
-           "TopKBoundary", "build_boundaries", "kept_dims"]
+__all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
+           "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary", "TopKBoundary",
+           "build_boundaries", "kept_dims"]
 
 
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None,
@@ -31,6 +36,14 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
             out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype, cfg.p_warmup))
         elif cfg.kind == "topk":
             out.append(TopKBoundary(b, hidden_size, cfg.p, wire_dtype))
+        elif cfg.kind in ("quant4", "quant2", "aqsgd"):
+            cls = AqsgdBoundary if cfg.kind == "aqsgd" else QuantBoundary
+            out.append(cls(b, hidden_size, *cfg.bits(), cfg.quant_group, wire_dtype))
+        elif cfg.kind == "tahquant":
+            out.append(TahQuantBoundary(b, hidden_size, *cfg.bits(), cfg.quant_group, cfg.tah_high_fraction,
+                                        cfg.tah_outlier_ratio, wire_dtype))
+        elif cfg.kind == "bottleneck":
+            out.append(BottleneckBoundary(b, hidden_size, cfg.p, seed, wire_dtype))
         elif cfg.kind == "ssn":
             if basis is None:
                 basis = SubspaceBasis(hidden_size, cfg.rank, seed)

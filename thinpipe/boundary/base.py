@@ -89,6 +89,10 @@ class Boundary(nn.Module):
         raise NotImplementedError
 
     # accounting ---------------------------------------------------------------------------------
+    def memory_bytes(self) -> int:
+        """State the boundary keeps beyond parameters (AQ-SGD's per-example buffers), both ends."""
+        return 0
+
     def expected_param_bytes(self) -> int:
         """Parameter-sync bytes per optimizer step."""
         return 0

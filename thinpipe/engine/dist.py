@@ -384,6 +384,13 @@ class DistRun:
         self.meter.totals.update(state["bytes"])
         return state
 
+    def boundary_memory_bytes(self) -> int:
+        """AQ-SGD's buffers (and any boundary state beyond parameters), every fast rank's ends."""
+        mine = sum(b.memory_bytes() for b in (self.in_b, self.out_b) if b is not None)
+        out: list = [None] * self.layout.dp * self.layout.pp
+        dist.all_gather_object(out, mine, group=self.fast_group)
+        return sum(out)
+
     def bytes_total(self) -> dict[str, int]:
         """Every rank's metered bytes, the anchor ranks' included (each reported them to its stage's
         fast ranks in its end message; replica 0 counts them once)."""
@@ -501,6 +508,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         final = run.validation_loss(t.batch_size)
         val_points.append((t.steps, final))
         totals = run.bytes_total()
+        memory = run.boundary_memory_bytes()
         run.save_checkpoint(ckpt, val_points, metrics)
         if not lead:
             return None
@@ -510,7 +518,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
                    "final_val_loss": final, "val_ppl": math.exp(final),
                    **{f"{a}_bytes": totals[a] for a in AXES},
                    "bytes_per_token": {a: totals[a] / tokens for a in AXES},
-                   "header_bytes_rank0": run.transport.header_bytes,
+                   "header_bytes_rank0": run.transport.header_bytes, "boundary_memory_bytes": memory,
                    "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "val_points": val_points,
                    **feed_summary(run.feed)}
         with open(out / "metrics.jsonl", "w") as f:

@@ -255,6 +255,10 @@ class SimMesh:
                 x = st.hidden_states(x, ctx)
         return stages[-1].logits(x).float()
 
+    def boundary_memory_bytes(self) -> int:
+        """Boundary state beyond parameters (AQ-SGD's per-example buffers), every end of the mesh."""
+        return sum(b.memory_bytes() for bounds in self.replica_boundaries for b in bounds)
+
     def state_dict(self) -> dict:
         return {"step": self.step_index,
                 "ranks": [[rk.state_dict() for rk in row] for row in self.ranks],

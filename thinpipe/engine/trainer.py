@@ -220,6 +220,7 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
         "bytes_per_token": {a: b[a] / tokens for a in METRIC_AXES},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
         "trainable_params": trainable_params(mesh),
+        "boundary_memory_bytes": mesh.boundary_memory_bytes(),
         **anchor_summary(mesh),
         "val_points": val_points,
     }

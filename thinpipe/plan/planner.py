@@ -81,7 +81,21 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         # forward: kept values + their indices; backward: values only (boundary/topk.py)
         index_bytes = 2 if arch.hidden < 2 ** 15 else 4
         return (1.0 - b.p) * (1 + index_bytes / (2 * elem_bytes))
-    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask or topk so far, not {b.kind!r}")
+    if b.kind == "bottleneck":
+        return 1.0 - b.p  # K = (1-p) H values each way, nothing else
+    if b.kind in ("quant4", "quant2", "aqsgd", "tahquant"):
+        # bits per value + the per-group offset and step (2 x bf16); AQ-SGD in its steady state
+        # (every row revisited); TAH-Quant's extra bit on a share of the tiles and its meta byte.
+        fwd, bwd = b.bits()
+        group = b.quant_group or arch.hidden
+        side = 32 / group
+        if b.kind == "tahquant":
+            fwd_bits = fwd + b.tah_high_fraction + side + 8 / group
+        else:
+            fwd_bits = fwd + side
+        return (fwd_bits + bwd + side) / (2 * 8 * elem_bytes)
+    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck and the quantisers, "
+                      f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
 
 def plan(cfg: Config, device: Device) -> dict:
