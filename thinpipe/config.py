@@ -210,6 +210,28 @@ class BoundaryConfig:
             raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (anchor-priors §6); 0 = full fine-tuning, > 0 trains only peft adapters."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps runs bitwise repeatable)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names that get adapters (default: every linear map of the decoder layers)."""
+
+    def validate(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"train.lora needs rank >= 0, alpha > 0 and 0 <= dropout < 1, got {self.rank}, "
+                              f"{self.alpha}, {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ConfigError("train.lora.target_modules is empty: name the modules to adapt, e.g. [\"q_proj\"]")
+
+
 @dataclass(kw_only=True, slots=True)
 class TrainConfig:
     steps: int = 100
@@ -245,8 +267,11 @@ class TrainConfig:
     optimizer: str = "adamw"
     """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
     weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters via peft (train.lora.rank > 0 turns them on)."""
 
     def validate(self) -> None:
+        self.lora.validate()
         for name in ("steps", "batch_size", "seq_len", "microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")

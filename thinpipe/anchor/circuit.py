@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.boundary import Boundary
-from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull
+from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.dp.powersgd import PowerSGDState
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.schedule import SCHEDULES, serial_order
@@ -57,9 +57,8 @@ class SimAnchorCircuit:
         self.cfg, self.meter, self.wire_dtype = cfg, meter, wire_dtype
         self.staleness = cfg.anchor.staleness
         self.every = cfg.anchor.every or cfg.anchor.staleness
+        # The same parameters train as in the fast circuit (with LoRA: the adapters only).
         self.stages: list[Stage] = build_stages(model, m.split or None, m.pp)
-        for st in self.stages:
-            st.requires_grad_(True)
         hidden = model.config.hidden_size
         boundaries = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
         self.workers = [StageWorker(st, replica_tag, boundaries[s - 1] if s else None,
@@ -81,8 +80,8 @@ class SimAnchorCircuit:
         """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta.
         Pull and push go through ``anchor/wire.py``, as on the real mesh."""
         for mine, theirs in zip(self.stages, fast_stages):
-            flat = encode_pull(list(theirs.parameters()), self.wire_dtype)
-            load_pull(list(mine.parameters()), flat)
+            flat = encode_pull(trained(theirs), self.wire_dtype)
+            load_pull(trained(mine), flat)
             self.meter.add("anchor", flat.nbytes)
         grads = run_anchor_pass(self.workers, self.schedule, batch, step, self.cfg.train.microbatches,
                                 self.replica_tag)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.anchor.circuit import run_anchor_pass
-from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull
+from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.boundary.base import Payload
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.dp.powersgd import PowerSGDState
@@ -68,7 +68,8 @@ class AnchorFeed:
         self.pull_transport, self.push_transport = pull_transport, push_transport
         self.agree = agree  # ``arrival``: (count) -> the count every replica of this stage has
         self.wait_timeout_s = wait_timeout_s
-        self.like = {n: p.detach() for n, p in stage.named_parameters()}
+        # what a push carries: the gradients of the parameters that train, in stage order
+        self.like = {n: p.detach() for n, p in stage.named_parameters() if p.requires_grad}
         self.inbox: queue.Queue = queue.Queue()
         self.ready: list[Arrived] = []
         self.ended = False
@@ -107,7 +108,7 @@ class AnchorFeed:
         t0 = time.perf_counter()
         self.flush()
         self.wait_s += time.perf_counter() - t0
-        flat = encode_pull(list(self.stage.parameters()), self.wire)
+        flat = encode_pull(trained(self.stage), self.wire)
         try:
             self.pull_transport.send(("pull",), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
                                      metered=flat.nbytes)
@@ -203,8 +204,6 @@ class AnchorStageRank:
         self.pulls: queue.Queue = queue.Queue()
         self.cycles = 0
         self.skipped = 0
-        for p in stage.parameters():
-            p.requires_grad_(True)
         self._receiver = threading.Thread(target=self._receive_pulls, name="thinpipe-anchor-pull", daemon=True)
         self._receiver.start()
 
@@ -258,7 +257,7 @@ class AnchorStageRank:
                     break
                 if self.cycles == fault_at_cycle:
                     raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")
-                load_pull(list(self.stage.parameters()), pull.tensors["w"])
+                load_pull(trained(self.stage), pull.tensors["w"])
                 batch = next(self.data)
                 grads = run_anchor_pass([self.worker], self.order, batch, step, self.cfg.train.microbatches,
                                         self.layout.dp)[0]

@@ -23,6 +23,12 @@ def _wire(t: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
     return t.detach().to(wire) if wire is not None else t.detach()
 
 
+def trained(stage) -> list[torch.Tensor]:
+    """The parameters a pull carries: those that train (with LoRA the adapters only; the frozen
+    base is the same seeded weights in every process and never changes)."""
+    return [p for p in stage.parameters() if p.requires_grad]
+
+
 def encode_pull(params: list[torch.Tensor], wire: torch.dtype | None) -> torch.Tensor:
     """A stage's weights as one flat tensor in the wire dtype (parameter order)."""
     return torch.cat([_wire(p, wire).reshape(-1) for p in params])

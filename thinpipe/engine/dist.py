@@ -96,6 +96,7 @@ class DistRun:
         from thinpipe.data import batches
         from thinpipe.engine.trainer import build_data
         from thinpipe.models import build_stages, load_model
+        from thinpipe.models.lora import apply_lora
 
         self.cfg = cfg
         t, m = cfg.train, cfg.mesh
@@ -105,6 +106,7 @@ class DistRun:
         self.role = self.layout.role(self.rank)
         torch.manual_seed(t.seed)
         loaded = load_model(cfg.model.name, seed=t.seed)
+        apply_lora(loaded.model, t.lora)
         self.tokenizer = loaded.tokenizer
         self.train_ds, self.val_ds = build_data(cfg, loaded.tokenizer)
         stages = build_stages(loaded.model, m.split or None, m.pp)

@@ -55,18 +55,26 @@ class StageRank:
         compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
         self.psgd = (PowerSGDState(rank=d.rank or 4, start_step=d.start_step if d.kind == "powersgd" else 0,
                                    seed=t.seed * 7 + self.index) if compress else None)
-        self.diloco = DiLoCoState(stage.named_parameters(), d.outer_lr, d.outer_momentum) if d.kind == "diloco" else None
-        self.streaming = (StreamingState(stage.named_parameters(), d.fragments, d.outer_lr, d.outer_momentum)
+        self.diloco = DiLoCoState(self.trained(), d.outer_lr, d.outer_momentum) if d.kind == "diloco" else None
+        self.streaming = (StreamingState(self.trained(), d.fragments, d.outer_lr, d.outer_momentum)
                           if d.kind == "streaming-diloco" else None)
         # Posted fragment syncs: (apply step, fragment, deltas, generator, its posted Work)
         self.in_flight: list[tuple[int, int, dict, Generator, object]] = []
         self.tied_param = self._tied_param()
         self.last_grad_norm = 0.0
 
+    def trained(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of what trains: DiLoCo's global copy and outer syncs cover only these
+        (with LoRA, the adapters; a frozen base never moves, so syncing it would send zeros)."""
+        return [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
+
     def _tied_param(self):
-        """The tied matrix this stage holds a copy of, when the first and last stage differ."""
+        """The tied matrix this stage holds a copy of, when the first and last stage differ (and it
+        trains: frozen copies stay equal without a sync)."""
         st, m = self.stage, self.cfg.mesh
         if self.cfg.model.tied != "sync" or m.pp < 2 or not st.tied_embeddings:
+            return None
+        if not (st.embed_tokens.weight if st.is_first else st.lm_head.weight).requires_grad:
             return None
         if st.is_first:
             return st.embed_tokens.weight
@@ -135,12 +143,12 @@ class StageRank:
     def outer_steps(self, step: int) -> Generator:
         d, world = self.cfg.dp, self.cfg.mesh.dp
         if self.diloco is not None and (step + 1) % d.inner_steps == 0:
-            yield from outer_step(self.diloco, self.stage.named_parameters(), self.dp_group, self.replica, world,
+            yield from outer_step(self.diloco, self.trained(), self.dp_group, self.replica, world,
                                   self.psgd)
         if self.streaming is None:
             return
         for f in sync_start_steps(step, d.inner_steps, d.fragments):
-            deltas = fragment_deltas(self.streaming, f, self.stage.named_parameters())
+            deltas = fragment_deltas(self.streaming, f, self.trained())
             yield from self._post(step + d.overlap, f, deltas)
         due = [x for x in self.in_flight if x[0] <= step]
         self.in_flight = [x for x in self.in_flight if x[0] > step]
@@ -151,7 +159,7 @@ class StageRank:
     def _post(self, due: int, f: int, deltas: dict) -> Generator:
         """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
         d = self.cfg.dp
-        gen = fragment_sync(self.streaming, f, deltas, self.stage.named_parameters(), self.dp_group, self.replica,
+        gen = fragment_sync(self.streaming, f, deltas, self.trained(), self.dp_group, self.replica,
                             self.cfg.mesh.dp, d.alpha, d.quantize, self.psgd)
         try:
             work = next(gen)

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from thinpipe.comm import AXES
 from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.engine.sim import SimMesh
+from thinpipe.models.lora import apply_lora, merge_lora
 
 METRIC_AXES = AXES  # every metered axis, as the meter defines them
 
@@ -141,6 +142,7 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.train.seed)
     loaded = load_model(cfg.model.name, seed=cfg.train.seed)
+    apply_lora(loaded.model, cfg.train.lora)
     n_layers = loaded.model.config.num_hidden_layers
     if cfg.mesh.pp > n_layers:
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {n_layers} layers")
@@ -240,6 +242,7 @@ def load_mesh(run: str | Path):
         raise ConfigError(f"{run} is not a thinpipe run folder (needs config.toml and checkpoint/state.pt)")
     cfg = load_config(run / "config.toml")
     loaded = load_model(cfg.model.name, seed=cfg.train.seed)
+    apply_lora(loaded.model, cfg.train.lora)
     mesh = SimMesh(loaded.model, cfg)
     mesh.load_state_dict(torch.load(run / "checkpoint" / "state.pt", weights_only=False)["mesh"])
     return cfg, mesh, loaded
@@ -255,7 +258,7 @@ def load_run(run: str | Path):
         raise ConfigError(f"{run} trained with boundary.kind = {cfg.boundary.kind}, whose projectors are part of "
                           "the model: a plain Hugging Face model would drop them. `thinpipe eval --model RUN` evaluates "
                           "it through its boundaries; `thinpipe analyze --run RUN` inspects them")
-    return cfg, merge_stages(loaded.model, mesh.replicas[0]), loaded.tokenizer
+    return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])), loaded.tokenizer
 
 
 def export(run: str | Path, out: str | Path) -> Path:
