@@ -1,4 +1,4 @@
-"""The one command line: ``thinpipe train | launch | plan | bench | eval | export | analyze | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | eval | export | prune | analyze | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -209,6 +209,27 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_prune(args) -> int:
+    """Global magnitude pruning of a run at each sparsity, re-evaluated (thinpipe/prune.py)."""
+    from thinpipe.prune import parse_sparsities, prune_sweep
+
+    run = Path(args.run)
+    if not (run / "checkpoint" / "state.pt").is_file():
+        raise ConfigError(f"--run {run}: no checkpoint/state.pt there; give the --out folder of a `thinpipe train` run")
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    _validate_tasks(tasks)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {args.limit}")
+    result = prune_sweep(run, parse_sparsities(args.sparsity), tasks, args.limit, Path(args.out) if args.out else None)
+    head = f"{'sparsity':>9}{'zeros':>12}{'held-out':>10}{'ppl':>9}" + "".join(f"{t + ' acc_norm':>22}" for t in tasks)
+    print(head)
+    for r in result["rows"]:
+        print(f"{r['sparsity']:>9.2f}{r['zeros']:>12}{r['val_loss']:>10.4f}{r['val_ppl']:>9.2f}"
+              + "".join(f"{r[t + '_acc_norm']:>22.4f}" for t in tasks))
+    print(f"saved {Path(args.out) if args.out else run / 'prune'}/ (prune.json, prune.png)")
+    return 0
+
+
 def cmd_analyze(args) -> int:
     from thinpipe.analysis.report import analyze_run
 
@@ -287,6 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--run", required=True)
     x.add_argument("--out", required=True)
     x.set_defaults(func=cmd_export)
+
+    pr = sub.add_parser("prune", help="post-hoc global magnitude pruning at several sparsities, re-evaluated (§5.5)")
+    pr.add_argument("--run", required=True, help="a run folder (config.toml + checkpoint/)")
+    pr.add_argument("--sparsity", default="0,0.1,0.2,0.3,0.4,0.5", help="comma-separated fractions of the decoder "
+                                                                       "matrices' weights to zero")
+    pr.add_argument("--tasks", default="", help="also multiple-choice accuracy on these tasks, e.g. arc_easy,piqa")
+    pr.add_argument("--limit", type=int, help="items per task")
+    pr.add_argument("--out", help="where prune.json / prune.png go (default: RUN/prune)")
+    pr.set_defaults(func=cmd_prune)
 
     a = sub.add_parser("analyze", help="boundary spectra, projector angles, captured energy (MAPL Fig. 3-5)")
     a.add_argument("--run", required=True, help="a run folder (config.toml + checkpoint/)")
