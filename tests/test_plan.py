@@ -236,3 +236,16 @@ def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     fwd, bwd = b.expected_bytes(1024, 4)
     got = plan(cfg, DEVICES["a100-40gb"])["bytes_per_token"]["pp"]
     assert got == pytest.approx((fwd + bwd) / 1024, rel=0.01)
+
+
+def test_lora_shrinks_dp_and_anchor_bytes_to_the_adapters_not_pp():
+    full = _plan(boundary__kind="mask", boundary__p=0.95, mesh__anchor=1, dp__kind="allreduce", dp__rank=0)
+    lora = _plan(boundary__kind="mask", boundary__p=0.95, mesh__anchor=1, dp__kind="allreduce", dp__rank=0,
+                 train__lora__rank=16)
+    # Llama-3.2-1B, r = 16 on all 7 linear maps of 16 layers: 16 x 16 x (2048+2048 + 2048+512 + 2048+512
+    # + 2048+2048 + 2048+8192 + 2048+8192 + 8192+2048) = 11.27 M adapter parameters
+    assert lora["trained_params"] == 16 * 16 * (4096 * 2 + 2560 * 2 + 10240 * 3)
+    assert lora["bytes_per_token"]["pp"] == full["bytes_per_token"]["pp"]
+    ratio = lora["trained_params"] / full["params"]
+    assert lora["bytes_per_token"]["dp"] == pytest.approx(full["bytes_per_token"]["dp"] * ratio)
+    assert lora["t_pull_s"] == pytest.approx(full["t_pull_s"] * ratio)

@@ -68,7 +68,7 @@ def _dp_options(cfg: Config) -> list[tuple[str, int, int, float]]:
     if cfg.mesh.dp <= 1:
         return [("allreduce", 0, 1, 1.0)]
     arch = ARCHITECTURES[cfg.model.name]
-    ranks = [(0, 1.0)] + [(r, 1 / powersgd_ratio(arch, r)) for r in RANK_GRID]
+    ranks = [(0, 1.0)] + [(r, 1 / powersgd_ratio(arch, r, cfg.train.lora)) for r in RANK_GRID]
     ranks = [(r, x) for r, x in ranks if x <= MAX_POWERSGD_X]
     out = [("allreduce", 0, 1, 1.0)] + [("powersgd", r, 1, x) for r, x in ranks if r]
     out += [("diloco", r, h, x) for r, x in ranks for h in H_GRID if h > 1 and h <= MAX_H]

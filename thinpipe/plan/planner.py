@@ -32,13 +32,30 @@ class Architecture:
     vocab: int
     tied: bool
 
+    def layer_matrices(self) -> dict[str, tuple[int, int]]:
+        """One decoder layer's weight matrices, (rows, cols) by module name."""
+        h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
+        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+                "gate_proj": (self.intermediate, h), "up_proj": (self.intermediate, h),
+                "down_proj": (h, self.intermediate)}
+
     def matrices(self) -> list[tuple[int, int]]:
         """Every weight matrix's (rows, cols): per layer q, k, v, o, gate, up, down; the embeddings."""
-        h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
-        per_layer = [(h, h), (kv, h), (kv, h), (h, h), (self.intermediate, h), (self.intermediate, h),
-                     (h, self.intermediate)]
-        emb = [(self.vocab, h)] * (1 if self.tied else 2)
-        return per_layer * self.layers + emb
+        emb = [(self.vocab, self.hidden)] * (1 if self.tied else 2)
+        return list(self.layer_matrices().values()) * self.layers + emb
+
+    def trained_matrices(self, lora) -> list[tuple[int, int]]:
+        """What trains (and so what DP and the anchor exchange): every matrix, or with LoRA
+        (``train.lora``) each target module's A (r x cols) and B (rows x r) per layer."""
+        if not lora.rank:
+            return self.matrices()
+        per_layer = self.layer_matrices()
+        unknown = [t for t in lora.target_modules if t not in per_layer]
+        if unknown:
+            raise ConfigError(f"train.lora.target_modules {unknown} are not Llama decoder modules "
+                              f"({', '.join(per_layer)})")
+        return [shape for t in lora.target_modules
+                for shape in ((lora.rank, per_layer[t][1]), (per_layer[t][0], lora.rank))] * self.layers
 
 
 # Published configs (Hugging Face config.json) and our presets.
@@ -62,11 +79,12 @@ PRESETS = {
 PRESET_DEVICE = {"paper-llama1b": "a100-40gb"}
 
 
-def powersgd_ratio(arch: Architecture, rank: int) -> float:
-    """Bytes sent / dense bytes for PowerSGD at ``rank`` over the model's matrices (vectors,
-    ~0.1% of a Llama, are left out)."""
-    dense = sum(n * m for n, m in arch.matrices())
-    sent = sum(min(rank, n, m) * (n + m) if min(rank, n, m) * (n + m) < n * m else n * m for n, m in arch.matrices())
+def powersgd_ratio(arch: Architecture, rank: int, lora=None) -> float:
+    """Bytes sent / dense bytes for PowerSGD at ``rank`` over the trained matrices (vectors,
+    ~0.1% of a Llama, are left out); a matrix PowerSGD cannot shrink is sent dense."""
+    mats = arch.trained_matrices(lora) if lora is not None else arch.matrices()
+    dense = sum(n * m for n, m in mats)
+    sent = sum(min(rank, n, m) * (n + m) if min(rank, n, m) * (n + m) < n * m else n * m for n, m in mats)
     return sent / dense
 
 
@@ -110,18 +128,20 @@ def plan(cfg: Config, device: Device) -> dict:
         raise ConfigError("thinpipe plan needs link bandwidths: set link.pp_mbps (and link.dp_mbps with several "
                           "replicas or an anchor) in Mbit/s")
     K, D, N, H = m.pp, m.dp, arch.params, arch.hidden
+    # DP syncs and the anchor's pull / push carry what trains: all N, or LoRA's adapters
+    N_train = sum(r * c for r, c in arch.trained_matrices(t.lora)) if t.lora.rank else N
     S = t.batch_size * t.seq_len
     b = 2 if t.dtype == "bfloat16" else 4
     B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
     rho_act = activation_fraction(cfg, arch, b)
     rho_dp, tau = 1.0, 1
     if d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0):
-        rho_dp = powersgd_ratio(arch, d.rank or 4)
+        rho_dp = powersgd_ratio(arch, d.rank or 4, t.lora)
     if d.kind in ("diloco", "streaming-diloco"):
         tau = d.inner_steps
     t_compute = cf.t_compute_s(N, S, K, device.peak_flops, device.mfu)
     t_pp = cf.t_pp_s(K, S, H, b, rho_act, B_pp)
-    t_dp = cf.t_dp_s(D, N, b, rho_dp, tau, B_dp)
+    t_dp = cf.t_dp_s(D, N_train, b, rho_dp, tau, B_dp)
     serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
     overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
     tokens = D * S
@@ -138,7 +158,7 @@ def plan(cfg: Config, device: Device) -> dict:
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
         "device_source": device.source, "device_flops": device.peak_flops * device.mfu,
-        "model": cfg.model.name, "params": N, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
+        "model": cfg.model.name, "params": N, "trained_params": N_train, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
         "rho_act": rho_act, "rho_dp": rho_dp, "tau": tau,
         "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,
         "step_time_s": serial, "step_time_overlapped_s": overlapped,
@@ -150,19 +170,20 @@ def plan(cfg: Config, device: Device) -> dict:
         "des_shared_source": "schedule simulation with every PP link shared fairly by the D replicas of its stages",
         "des_shared_pipeline_s": shared["makespan_s"], "des_shared_tokens_per_s": tokens / (shared["makespan_s"] + t_dp),
         "bytes_per_token": {"pp": 2 * (K - 1) * H * b * rho_act,
-                            "dp": (2 * (D - 1) / D * N * b * rho_dp / tau / S) if D > 1 else 0.0},
+                            "dp": (2 * (D - 1) / D * N_train * b * rho_dp / tau / S) if D > 1 else 0.0},
     }
     if m.anchor:
         t_clean = cf.t_pp_s(K, S, H, b, 1.0, B_pp) + t_compute
-        push_ratio = powersgd_ratio(arch, cfg.anchor.push_rank) if cfg.anchor.push_rank else 1.0
-        t_pull = cf.t_pull_s(N, K, b, B_dp)
-        t_push = cf.t_push_s(N / K * b * push_ratio, B_dp)
+        push_ratio = powersgd_ratio(arch, cfg.anchor.push_rank, t.lora) if cfg.anchor.push_rank else 1.0
+        t_pull = cf.t_pull_s(N_train, K, b, B_dp)
+        t_push = cf.t_push_s(N_train / K * b * push_ratio, B_dp)
         out.update({"t_pull_s": t_pull, "t_clean_s": t_clean, "t_push_s": t_push, "t_mask_s": serial,
                     "k_stale": cf.k_stale(t_pull, t_clean, t_push, serial),
                     "k_stale_overlapped": cf.k_stale(t_pull, t_clean, t_push, serial, overlap=True)})
         every = cfg.anchor.every or cfg.anchor.staleness
         # per cycle: the pull (N b), the push to every fast replica, the anchor's dense PP pass
-        out["bytes_per_token"]["anchor"] = (N * b + N * b * push_ratio * D + 2 * (K - 1) * H * b * S) / (every * tokens)
+        out["bytes_per_token"]["anchor"] = (N_train * b + N_train * b * push_ratio * D
+                                            + 2 * (K - 1) * H * b * S) / (every * tokens)
     total = sum(out["bytes_per_token"].values())
     out["bytes_per_token_total"] = total
     # The paper's "Comm. (B/tok)" (Table 1) is this total spread over the K stages (one GPU's links).
