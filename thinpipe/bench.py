@@ -74,8 +74,11 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
     if dp > 1:  # the ring model of DistGroup, per stage group, all stages at once
         per_rank = b["dp"] * tokens / K / dp
         dp_s = per_rank * 8 / (dp_mbps * 1e6) + 2 * (dp - 1) * latency_ms / 1e3
-    # MAPL's projector sync rides the PP links (pp_params), once per step
-    params_s = b["pp_params"] * tokens / (K - 1) / dp * 8 / (pp_mbps * 1e6) if b["pp_params"] else 0.0
+    # MAPL's projector sync rides the PP links (pp_params) once per step as two blocking messages
+    # after the pipeline (receiver -> owner dL/dA, then owner -> receiver the new A): their bytes and
+    # two latencies are on the critical path
+    params_s = (b["pp_params"] * tokens / (K - 1) / dp * 8 / (pp_mbps * 1e6) + 2 * latency_ms / 1e3
+                if b["pp_params"] else 0.0)
     return pipe + dp_s + params_s
 
 
@@ -128,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"tokens_per_s": s["tokens_per_s"], "predicted_tokens_per_s": predicted, "relative_error": err,
                       "calibration_step_s": step0, "ratio_vs_dense": s["tokens_per_s"] / dense if dense else None,
                       "pp_bytes_per_token": pp, "dp_bytes_per_token": b["dp"], "anchor_bytes_per_token": b["anchor"],
+                      "bytes_per_token": b,
                       "final_val_loss": s["final_val_loss"], "wall_s": s["wall_s"],
                       "priors_consumed": s.get("priors_consumed"), "anchor_staleness_mean": stale,
                       "anchor_staleness_max": s.get("anchor_staleness_max"), "anchor_wait_s": s.get("anchor_wait_s")}
