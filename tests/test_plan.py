@@ -249,3 +249,11 @@ def test_lora_shrinks_dp_and_anchor_bytes_to_the_adapters_not_pp():
     ratio = lora["trained_params"] / full["params"]
     assert lora["bytes_per_token"]["dp"] == pytest.approx(full["bytes_per_token"]["dp"] * ratio)
     assert lora["t_pull_s"] == pytest.approx(full["t_pull_s"] * ratio)
+
+
+def test_bench_steady_step_leaves_out_the_warm_up_steps():
+    from thinpipe.bench import steady_step_s
+
+    walls = [1.0, 1.1, 1.2, 1.3, 1.4] + [1.4 + 0.05 * i for i in range(1, 11)]  # 1 s start-up, then 0.05 s
+    assert steady_step_s(walls, skip=5) == pytest.approx(0.05)
+    assert steady_step_s(walls[:3], skip=5) == pytest.approx(1.2 / 3)
