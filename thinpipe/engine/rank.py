@@ -74,11 +74,8 @@ class StageRank:
         st, m = self.stage, self.cfg.mesh
         if self.cfg.model.tied != "sync" or m.pp < 2 or not st.tied_embeddings:
             return None
-        if not (st.embed_tokens.weight if st.is_first else st.lm_head.weight).requires_grad:
-            return None
-        if st.is_first:
-            return st.embed_tokens.weight
-        return st.lm_head.weight if st.is_last else None
+        p = st.embed_tokens.weight if st.is_first else st.lm_head.weight if st.is_last else None
+        return p if p is not None and p.requires_grad else None
 
     # -------------------------------------------------------------------------------------------
     def exchange_boundary_grads(self) -> Generator:
