@@ -21,15 +21,17 @@ from arms import load_results, save_figure  # noqa: E402  (run.py put experiment
 
 def suite_table(name: str, results: dict[str, dict]) -> str:
     dense = results.get("Dense")
-    head = ("| arm | held-out loss | vs Dense | PP fwd B/token | PP bwd B/token | compression fwd / bwd | "
-            "anchor B/token | trainable params | boundary memory MB | wall s |")
+    head = ("| arm | best held-out (step) | vs Dense best | final held-out | PP fwd B/token | PP bwd B/token | "
+            "compression fwd / bwd | anchor B/token | trainable params | boundary memory MB | wall s |")
     lines = [f"### {name}", "", head, "|" + "---|" * (head.count("|") - 1)]
     for arm, s in results.items():
         b = s["bytes_per_token"]
-        rel = f"{(s['final_val_loss'] / dense['final_val_loss'] - 1) * 100:+.2f}%" if dense else "-"
+        best_step, best = min(s["val_points"], key=lambda p: p[1])
+        rel = f"{(best / min(p[1] for p in dense['val_points']) - 1) * 100:+.2f}%" if dense else "-"
         comp = (f"{dense['bytes_per_token']['pp_fwd'] / b['pp_fwd']:.1f}x / {dense['bytes_per_token']['pp_bwd'] / b['pp_bwd']:.1f}x"
                 if dense and b["pp_fwd"] and b["pp_bwd"] else "-")
-        lines.append(f"| {arm} | {s['final_val_loss']:.4f} | {rel} | {b['pp_fwd']:.0f} | {b['pp_bwd']:.0f} | {comp} | "
+        lines.append(f"| {arm} | {best:.4f} ({best_step}) | {rel} | {s['final_val_loss']:.4f} | {b['pp_fwd']:.0f} | "
+                     f"{b['pp_bwd']:.0f} | {comp} | "
                      f"{b.get('anchor', 0):.0f} | {s.get('trainable_params', 0):,} | "
                      f"{s.get('boundary_memory_bytes', 0) / 2 ** 20:.1f} | {s['wall_s']:.0f} |")
     return "\n".join(lines) + "\n"
