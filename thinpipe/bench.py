@@ -49,6 +49,10 @@ ARMS["M95+AP, push r4"] = {**ARMS["M95"], **AP, "anchor.push_rank": 4}
 ARMS["M95+AP + PowerSGD r4, 2 replicas"] = {**ARMS["M95 + PowerSGD r4, 2 replicas"], **AP, "anchor.push_rank": 4}
 
 
+class ArmFailed(RuntimeError):
+    """One arm's job exited non-zero: recorded with its error, the other arms still run."""
+
+
 # The calibration run's links: the shaped transport's code path, at a rate that costs no time.
 CALIBRATION_MBPS = 1e6
 
@@ -60,7 +64,7 @@ def run_arm(name: str, cfg: dict, out: Path, netns: bool = False) -> dict:
         "--", "train", "--out", str(folder), "--quiet"] + [x for k, v in cfg.items() for x in ("--set", f"{k}={v}")]
     r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if r.returncode:
-        raise SystemExit(f"{name} failed:\n{r.stderr[-2000:]}")
+        raise ArmFailed(f"{name} failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
     summary = json.loads((folder / "summary.json").read_text())
     walls = [json.loads(x)["wall_s"] for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
     summary["steady_step_s"] = steady_step_s(walls)
@@ -122,23 +126,29 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {list(ARMS)}")
     arms = {k: v for k, v in ARMS.items() if not only or k in only}
-    results = {}
+    results, failed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, sets in arms.items():
             base = {**BASE, **sets}
-            t0 = run_arm(name + " calibration", {**base, "train.steps": args.calibration_steps,
-                                                 "link.pp_mbps": CALIBRATION_MBPS, "link.dp_mbps": CALIBRATION_MBPS},
-                         Path(tmp))
             links = {"link.pp_mbps": args.pp_mbps, "link.pp_latency_ms": args.latency_ms,
                      "link.dp_mbps": args.dp_mbps, "link.dp_latency_ms": args.latency_ms}
             if args.netns:
                 links["link.shaper"] = "kernel"
-            shaped = run_arm(name, {**base, "train.steps": args.steps, **links}, Path(tmp), netns=args.netns)
+            try:
+                t0 = run_arm(name + " calibration", {**base, "train.steps": args.calibration_steps,
+                                                     "link.pp_mbps": CALIBRATION_MBPS,
+                                                     "link.dp_mbps": CALIBRATION_MBPS}, Path(tmp))
+                shaped = run_arm(name, {**base, "train.steps": args.steps, **links}, Path(tmp), netns=args.netns)
+            except ArmFailed as e:
+                failed[name] = str(e)
+                print(f"FAILED {name}: {e}", file=sys.stderr, flush=True)
+                continue
             step0 = t0["steady_step_s"]
             predicted = shaped["tokens"] / shaped["steps"] / predict_step_s(step0, shaped, base, args.pp_mbps,
                                                                             args.dp_mbps, args.latency_ms)
             results[name] = (shaped, step0, predicted)
             print(f"done {name}", file=sys.stderr, flush=True)
+
     def steady_tps(s: dict) -> float:
         return s["tokens"] / s["steps"] / s["steady_step_s"]
 
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['anchor']:>11.0f}{s['final_val_loss']:>10.4f}{s.get('priors_consumed', '-'):>8}"
               f"{'-' if stale is None else f'{stale:.1f}':>7}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "base": BASE, "arms": arms, "results": rows}, indent=2))
+    for name, why in failed.items():
+        print(f"{name:<34}  FAILED: {why.splitlines()[0]}")
+    Path(args.out).write_text(json.dumps({"args": vars(args), "base": BASE, "arms": arms, "results": rows,
+                                          "failed": failed}, indent=2))
     print(f"saved {args.out}")
-    return 0
+    return 1 if failed else 0
