@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 from thinpipe.config import ConfigError, load_config
@@ -56,6 +57,11 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
         rates = nets.link_rates_mbps(layout, cfg.link.pp_mbps, cfg.link.dp_mbps, cfg.model.tied == "sync")
         ns = nets.create(layout, rates, job=str(os.getpid() % 100000))
     procs: list[subprocess.Popen] = []
+    # Ctrl-C sets a flag the supervision loop reads, rather than raising KeyboardInterrupt at an
+    # arbitrary point: one raised inside Popen.poll() can leave its wait lock held, and the
+    # cleanup's wait() would then hang forever.
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     try:
         port = NETNS_PORT if ns else _free_port()
         for i in range(nproc):
@@ -71,23 +77,29 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
         if ns:
             say(f"[thinpipe launch] {nproc} ranks in network namespaces {ns.ranks[0]}..{ns.ranks[-1]} "
                 f"({len(rates)} shaped links)")
-        return _supervise(procs, layout)
-    except KeyboardInterrupt:
-        say("[thinpipe launch] interrupted: stopping every rank")
-        raise
+        code = _supervise(procs, layout, interrupted)
+        if code == INTERRUPTED:
+            say("[thinpipe launch] interrupted: stopping every rank")
+        return code
     finally:
         _stop(procs)
         if ns:
             nets.delete(ns)
+        signal.signal(signal.SIGINT, previous)
 
 
 def _how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
-def _supervise(procs: list[subprocess.Popen], layout: MeshLayout) -> int:
+INTERRUPTED = 130  # the shell's exit status for a job stopped by SIGINT
+
+
+def _supervise(procs: list[subprocess.Popen], layout: MeshLayout, interrupted: threading.Event) -> int:
     anchor_gone: set[int] = set()
     while True:
+        if interrupted.is_set():
+            return INTERRUPTED
         codes = [p.poll() for p in procs]
         for rank, code in enumerate(codes):
             if code in (None, 0) or rank in anchor_gone:
