@@ -27,8 +27,7 @@ import hashlib
 import torch
 
 from thinpipe.boundary.base import Payload
-from thinpipe.boundary.quant import SCALE_BYTES, QuantBoundary, dequantize, packed_bytes, pack_bits, quantize, \
-    unpack_bits
+from thinpipe.boundary.quant import QuantBoundary, dequantize, pack_bits, quantize, unpack_bits
 
 
 def row_keys(input_ids: torch.Tensor) -> list[str]:
@@ -91,10 +90,9 @@ class AqsgdBoundary(QuantBoundary):
 
     # accounting and state -------------------------------------------------------------------------
     def expected_bytes(self, tokens, element_size):
-        """Every row revisited (the steady state); a first visit sends the row densely instead."""
-        n = tokens * self.hidden_size
-        fwd = packed_bytes(n, self.fwd_bits) + n // self.group * SCALE_BYTES
-        return fwd, super().expected_bytes(tokens, element_size)[1]
+        """Every row revisited (the steady state: ``quant``'s formula); a first visit sends the row
+        densely instead."""
+        return super().expected_bytes(tokens, element_size)
 
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.sent, self.received) for t in d.values())
