@@ -122,12 +122,16 @@ def test_des_overlaps_transfers_on_different_links_and_adds_latency():
 
 
 def test_bench_prediction_without_links_gives_back_the_calibration_step():
-    """The bench's model: with no bytes on the links and no latency the predicted step is the
-    measured unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1))."""
+    """The bench's model: with links that cost no time the predicted step is the measured
+    unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1)); each message's
+    header is on the wire even when the metered payload is nothing."""
     from thinpipe.bench import BASE, predict_step_s
+    from thinpipe.comm.wire import HEADER_BYTES
 
     shaped = {"tokens": 2560, "steps": 10, "bytes_per_token": {"pp_fwd": 0, "pp_bwd": 0, "pp_params": 0, "dp": 0}}
-    assert predict_step_s(0.3, shaped, BASE, 4.0, 4.0, 0.0) == pytest.approx(0.3)
+    assert predict_step_s(0.3, shaped, BASE, 1e12, 1e12, 0.0) == pytest.approx(0.3)
+    headers_only = predict_step_s(0.3, shaped, BASE, 4.0, 4.0, 0.0)
+    assert headers_only >= 0.3 + HEADER_BYTES * 8 / 4e6 - 1e-12   # at least one header on the critical path
     with_links = predict_step_s(0.3, {**shaped, "bytes_per_token": {"pp_fwd": 512, "pp_bwd": 512, "pp_params": 0,
                                                                     "dp": 0}}, BASE, 4.0, 4.0, 5.0)
     assert with_links > 0.3

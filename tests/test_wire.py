@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from thinpipe.boundary.base import Payload
-from thinpipe.comm.shaped import ShapedLink
+from thinpipe.comm.shaped import DueQueue, ShapedLink
 from thinpipe.comm.wire import PayloadError, decode_header, encode_header
 
 
@@ -39,16 +39,59 @@ def test_header_round_trip_and_malformed_headers_are_refused():
 
 
 def test_shaped_link_delivers_no_faster_than_size_over_rate():
-    now = [0.0]
-    link = ShapedLink(rate_mbps=8.0, latency_ms=5.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
-    slept = link.wait(1_000_000)                  # 1 MB at 8 Mbit/s = 1 s, + 5 ms
-    assert slept == pytest.approx(1.005)
-    slept2 = link.wait(500_000)                   # queues behind nothing now: 0.5 s + 5 ms
-    assert slept2 == pytest.approx(0.505)
-    # two messages handed over at once: the second waits for the first
-    link2 = ShapedLink(rate_mbps=8.0)
-    assert link2.delivery_time(1_000_000, 0.0) == pytest.approx(1.0)
-    assert link2.delivery_time(1_000_000, 0.0) == pytest.approx(2.0)
+    link = ShapedLink(rate_mbps=8.0, latency_ms=5.0)
+    assert link.delivery_time(1_000_000, 0.0) == pytest.approx(1.005)   # 1 MB at 8 Mbit/s = 1 s, + 5 ms
+    assert link.delivery_time(500_000, 10.0) == pytest.approx(10.505)   # idle link: 0.5 s + 5 ms
+    # two messages handed over at once: the second's transfer queues behind the first's, but not
+    # behind its latency (both are in flight at once, as on a real link)
+    assert link.delivery_time(1_000_000, 20.0) == pytest.approx(21.005)
+    assert link.delivery_time(1_000_000, 20.0) == pytest.approx(22.005)
+
+
+def test_due_queue_delivers_at_due_times_earliest_first_never_early():
+    delivered = []
+    q = DueQueue(lambda item: delivered.append((item, time.perf_counter())))
+    t0 = time.perf_counter()
+    q.put(t0 + 0.6, "late link")
+    q.put(t0 + 0.2, "a1")          # another link's messages, due earlier: not held behind "late link"
+    q.put(t0 + 0.3, "a2")
+    q.put(t0 + 0.3, "a3")          # a tie keeps hand-over order
+    q.join()
+    assert [item for item, _ in delivered] == ["a1", "a2", "a3", "late link"]
+    due = {"a1": 0.2, "a2": 0.3, "a3": 0.3, "late link": 0.6}
+    for item, at in delivered:
+        assert at - t0 >= due[item]                 # never before its due time
+        assert at - t0 < due[item] + 0.25           # nor held long after it
+    assert q.unfinished == 0
+    q.close()
+
+
+def test_due_queue_back_to_back_messages_overlap_their_latency():
+    """Two 0.1 s messages on a link with 0.3 s latency: the second arrives at 0.5 s (0.2 s of
+    transfer + one latency), not 0.8 s as a sender that sleeps out each latency would give."""
+    link = ShapedLink(rate_mbps=8.0, latency_ms=300.0)
+    delivered = []
+    q = DueQueue(lambda item: delivered.append(time.perf_counter()))
+    t0 = link.clock()
+    for _ in range(2):
+        q.put(link.delivery_time(100_000, link.clock()), None)
+    q.join()
+    assert delivered[1] - t0 >= 0.5
+    assert delivered[1] - t0 < 0.7
+
+
+def test_due_queue_keeps_a_delivery_error_for_the_owner():
+    def deliver(item):
+        if item == "bad":
+            raise OSError("peer gone")
+    q = DueQueue(deliver)
+    q.put(time.perf_counter(), "bad")
+    q.put(time.perf_counter(), "good")   # the thread goes on after an error
+    q.join()
+    assert isinstance(q.error, OSError)
+    q.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        q.put(time.perf_counter(), "after close")
 
 
 def _free_port() -> int:

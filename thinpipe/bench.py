@@ -14,7 +14,7 @@ included, is printed too).
 
 The prediction replays the step in the schedule simulation (``plan/des.py``) with the compute taken
 from T0 (an unshaped (M + K - 1)-slot pipeline: f + b = T0 / (M + K - 1), f : b = 1 : 2) and the
-shaped links' bandwidth and latency, plus the DP all-reduce's modelled ring time
+shaped links' bandwidth and latency (each message's header included: the link carries it), plus the DP all-reduce's modelled ring time
 (``comm/distgroup.py``), MAPL's projector sync (two blocking messages per step) and, for the
 anchor, nothing (it is off the critical path).
 """
@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from thinpipe.comm.wire import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
 
 BASE = {"model.name": "tiny-llama", "data.name": "synthetic", "mesh.pp": 2, "train.batch_size": 4,
@@ -91,8 +92,10 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
     dp = cfg.get("mesh.dp", 1)
     per_replica = tokens / dp
     b = shaped["bytes_per_token"]
-    fwd = b["pp_fwd"] * per_replica / M / (K - 1)   # one microbatch's message at one boundary
-    bwd = b["pp_bwd"] * per_replica / M / (K - 1)
+    # one microbatch's message at one boundary; the link carries its header too (the byte meter,
+    # like the paper, counts payload only): 792 B, a third of an M95 message of the tiny model
+    fwd = b["pp_fwd"] * per_replica / M / (K - 1) + HEADER_BYTES
+    bwd = b["pp_bwd"] * per_replica / M / (K - 1) + HEADER_BYTES
     pipe = simulate(PipelineStep(K, M, f_plus_b / 3, 2 * f_plus_b / 3, fwd, bwd, pp_mbps * 1e6 / 8,
                                  latency_ms / 1e3, cfg.get("train.schedule", "1f1b")))["makespan_s"]
     dp_s = 0.0
@@ -102,8 +105,8 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
     # MAPL's projector sync rides the PP links (pp_params) once per step as two blocking messages
     # after the pipeline (receiver -> owner dL/dA, then owner -> receiver the new A): their bytes and
     # two latencies are on the critical path
-    params_s = (b["pp_params"] * tokens / (K - 1) / dp * 8 / (pp_mbps * 1e6) + 2 * latency_ms / 1e3
-                if b["pp_params"] else 0.0)
+    params_s = ((b["pp_params"] * tokens / (K - 1) / dp + 2 * HEADER_BYTES) * 8 / (pp_mbps * 1e6)
+                + 2 * latency_ms / 1e3 if b["pp_params"] else 0.0)
     return pipe + dp_s + params_s
 
 

@@ -9,16 +9,17 @@ asynchronous (``isend``): a stage never deadlocks against a neighbour that is se
 same time (1F1B); ``flush()`` waits for them. Bytes are metered per axis from the payload, as in the
 simulation; the header overhead is counted apart in ``header_bytes``.
 
-Shaped links (``link_for(axis, peer)`` returns a ``ShapedLink`` or None): the message is handed to
-a sender thread that holds it for the link's transfer time and latency before posting it, so the
-stage computes on while its message is "on the wire", as with a real NIC; messages to one peer
-keep their order.
+Shaped links (``link_for(axis, peer)`` returns a ``ShapedLink`` or None): at hand-over the link
+books the message's arrival time (transfer queued behind the link's earlier messages, plus the
+latency) and a sender thread (``DueQueue``) posts it then, so the stage computes on while its
+message is "on the wire" as with a real NIC, messages in flight overlap their latencies, and
+messages to one peer keep their order. The link carries the header too: it is on a real wire.
 """
 
 from __future__ import annotations
 
-import queue
 import threading
+import time
 from collections.abc import Callable, Hashable
 
 import torch
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from thinpipe.boundary.base import Payload
 from thinpipe.comm.meter import ByteMeter
-from thinpipe.comm.shaped import ShapedLink
+from thinpipe.comm.shaped import DueQueue, ShapedLink
 from thinpipe.comm.wire import HEADER_BYTES, HEADER_SLOTS, decode_header, encode_header
 
 
@@ -49,33 +50,21 @@ class DistTransport:
         self.header_bytes = 0
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._lock = threading.Lock()
-        self._queue: queue.Queue | None = None
-        self._error: BaseException | None = None
+        self._sender: DueQueue | None = None
 
     def _post(self, peer: int, ch: int, parts: list[torch.Tensor]) -> None:
         works = [(dist.isend(part, peer, group=self.group, tag=ch), part) for part in parts]
         with self._lock:
             self._pending.extend(works)
 
-    def _sender(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            link, nbytes, peer, ch, parts = item
-            try:
-                if link is not None:
-                    link.wait(nbytes)
-                self._post(peer, ch, parts)
-                if self.background:
-                    with self._lock:
-                        pending, self._pending = self._pending, []
-                    for work, _ in pending:
-                        work.wait()
-            except BaseException as e:  # surfaced by flush() on the main thread
-                self._error = e
-            finally:
-                self._queue.task_done()
+    def _deliver(self, item: tuple[int, int, list[torch.Tensor]]) -> None:
+        """On the sender thread, at the message's due time."""
+        self._post(*item)
+        if self.background:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for work, _ in pending:
+                work.wait()
 
     def send(self, tag: Hashable, payload: Payload, axis: str | None, metered: int | None = None) -> None:
         """``metered``: the bytes to count on ``axis`` when part of the payload is protocol (a step
@@ -86,10 +75,10 @@ class DistTransport:
         if link is None and not self.background:
             self._post(peer, ch, parts)
         else:
-            if self._queue is None:
-                self._queue = queue.Queue()
-                threading.Thread(target=self._sender, daemon=True, name="thinpipe-link").start()
-            self._queue.put((link, payload.nbytes + HEADER_BYTES, peer, ch, parts))
+            if self._sender is None:
+                self._sender = DueQueue(self._deliver)
+            due = link.delivery_time(payload.nbytes + HEADER_BYTES, link.clock()) if link else time.perf_counter()
+            self._sender.put(due, (peer, ch, parts))
         if axis is not None:
             self.meter.add(axis, payload.nbytes if metered is None else metered)
         self.header_bytes += HEADER_BYTES
@@ -111,19 +100,21 @@ class DistTransport:
 
     def idle(self) -> bool:
         """Nothing queued or in flight (meaningful with ``background``)."""
-        return self._queue is None or self._queue.unfinished_tasks == 0
+        return self._sender is None or self._sender.unfinished == 0
 
     def flush(self) -> None:
         """Wait for every send handed over so far to be posted and completed."""
-        if self._queue is not None:
-            self._queue.join()
-        if self._error is not None:
-            raise RuntimeError(f"a shaped send failed: {self._error}") from self._error
+        if self._sender is not None:
+            self._sender.join()
+            if self._sender.error is not None:
+                raise RuntimeError(f"a shaped send failed: {self._sender.error}") from self._sender.error
         with self._lock:
             pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
 
     def close(self) -> None:
-        if self._queue is not None:
-            self._queue.put(None)
+        """Stop the sender thread once what it holds is posted, so that no send is still in flight
+        on it when the process group is destroyed."""
+        if self._sender is not None:
+            self._sender.close()

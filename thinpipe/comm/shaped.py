@@ -3,13 +3,18 @@
 A message of n bytes handed to a link at time t leaves it no earlier than
     start = max(t, link free)      done = start + n * 8 / rate      arrival = done + latency
 so back-to-back messages queue behind each other at the link's rate, and each arrives one latency
-after it was fully sent. ``ShapedLink.wait(n)`` sleeps the sender until the message may be
-delivered (the sender blocks, as a real socket buffer would once full); rate 0 = unshaped.
+after it was fully sent; rate 0 = unshaped. ``DueQueue`` holds each message until that arrival time
+on a background thread (the caller computes on meanwhile, as with a real NIC) and delivers them in
+arrival order, so messages overlap their latencies as on a real network.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -18,8 +23,7 @@ class ShapedLink:
     rate_mbps: float = 0.0
     latency_ms: float = 0.0
     _free_at: float = field(default=0.0, repr=False)
-    clock: callable = field(default=time.perf_counter, repr=False)
-    sleep: callable = field(default=time.sleep, repr=False)
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
 
     def __post_init__(self) -> None:
         if self.rate_mbps < 0 or self.latency_ms < 0:
@@ -32,10 +36,83 @@ class ShapedLink:
         self._free_at = done
         return done + self.latency_ms / 1e3
 
-    def wait(self, nbytes: int) -> float:
-        """Sleep until the message may be delivered; returns the seconds slept."""
-        now = self.clock()
-        delay = self.delivery_time(nbytes, now) - now
-        if delay > 0:
-            self.sleep(delay)
-        return max(delay, 0.0)
+
+class DueQueue:
+    """One background thread that hands each queued item to ``deliver`` at its due time (the
+    ``delivery_time`` of its link, taken when the caller handed the message over), earliest first,
+    ties in hand-over order.
+
+    Why due times and not a FIFO that sleeps per message: on a real link several messages are in
+    flight at once, so a second message handed over during the first's latency arrives one transfer
+    time after it, not one transfer + one latency; and a message to one peer never waits behind a
+    slower link to another. Per link due times never decrease (``_free_at`` only grows, the latency
+    is fixed), so each link's messages keep their order.
+    """
+
+    def __init__(self, deliver: Callable[[object], None], clock: Callable[[], float] = time.perf_counter,
+                 name: str = "thinpipe-link"):
+        self._deliver, self._clock = deliver, clock
+        self._heap: list[tuple[float, int, object]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._unfinished = 0
+        self._closed = False
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
+        self._thread.start()
+
+    def put(self, due_s: float, item: object) -> None:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("a message was handed to a closed link")
+            heapq.heappush(self._heap, (due_s, next(self._seq), item))
+            self._unfinished += 1
+            self._cv.notify_all()
+
+    @property
+    def unfinished(self) -> int:
+        """Items queued or being delivered."""
+        return self._unfinished
+
+    def join(self) -> None:
+        """Block until every item handed over so far has been delivered."""
+        with self._cv:
+            while self._unfinished:
+                self._cv.wait()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Deliver what is queued, then stop the thread (so that nothing is in flight on it when the
+        process group is torn down)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=timeout_s)
+
+    _STOP = object()
+
+    def _next(self) -> object:
+        with self._cv:
+            while True:
+                if not self._heap:
+                    if self._closed:
+                        return self._STOP
+                    self._cv.wait()
+                    continue
+                delay = self._heap[0][0] - self._clock()
+                if delay <= 0:
+                    return heapq.heappop(self._heap)[2]
+                self._cv.wait(timeout=delay)  # an earlier-due item may arrive meanwhile
+
+    def _run(self) -> None:
+        while True:
+            item = self._next()
+            if item is self._STOP:
+                return
+            try:
+                self._deliver(item)
+            except BaseException as e:  # surfaced by the owner (``DistTransport.flush``)
+                self.error = e
+            finally:
+                with self._cv:
+                    self._unfinished -= 1
+                    self._cv.notify_all()

@@ -76,7 +76,8 @@ def projector_energy(mesh: SimMesh, val, batch_size: int, seed: int) -> dict | N
 def trainable_params(mesh: SimMesh) -> int:
     seen = {id(p): p.numel() for st in mesh.replicas[0] for p in st.parameters() if p.requires_grad}
     pair = mesh.tied[0]
-    return sum(seen.values()) - (pair[1].numel() if pair is not None else 0)
+    # a trained tied matrix is one parameter held twice (its second copy on the last stage)
+    return sum(seen.values()) - (pair[1].numel() if pair is not None and pair[1].requires_grad else 0)
 
 
 def anchor_summary(mesh: SimMesh) -> dict:

@@ -110,7 +110,8 @@ def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> 
             # Separate copy of the tied matrix on the last stage (one code path for sim and dist:
             # in a real mesh the two ends live in different processes).
             head = copy.deepcopy(model.lm_head)
-            head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+            head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
+                                       requires_grad=model.lm_head.weight.requires_grad)  # frozen under LoRA
         stages.append(Stage(s, num_stages, start, layers[start:start + n],
                             copy.deepcopy(inner.rotary_emb) if s else inner.rotary_emb,
                             inner.embed_tokens if first else None, inner.norm if last else None, head))
