@@ -261,3 +261,16 @@ def test_bench_steady_step_leaves_out_the_warm_up_steps():
     walls = [1.0, 1.1, 1.2, 1.3, 1.4] + [1.4 + 0.05 * i for i in range(1, 11)]  # 1 s start-up, then 0.05 s
     assert steady_step_s(walls, skip=5) == pytest.approx(0.05)
     assert steady_step_s(walls[:3], skip=5) == pytest.approx(1.2 / 3)
+
+
+def test_bench_calibration_is_the_fast_circuit_over_free_links():
+    """T0 has no link time and no anchor in it (the planner puts the anchor off the critical path)."""
+    from thinpipe.bench import ARMS, BASE, CALIBRATION_MBPS, calibration
+
+    links = {"link.pp_mbps": 4.0, "link.pp_latency_ms": 5.0, "link.dp_mbps": 4.0, "link.dp_latency_ms": 5.0}
+    for arm in ("M95", "M95+AP", "M95+AP + PowerSGD r4, 2 replicas"):
+        cal = calibration({**BASE, **ARMS[arm]}, links, 60)
+        assert cal["link.pp_mbps"] == cal["link.dp_mbps"] == CALIBRATION_MBPS and cal["train.steps"] == 60
+        assert not any(k.endswith("latency_ms") for k in cal)
+        assert cal.get("mesh.anchor", 0) == 0 and not any(k.startswith("anchor.") for k in cal)
+        assert cal.get("mesh.dp", 1) == ARMS[arm].get("mesh.dp", 1)   # the fast circuit as measured

@@ -72,6 +72,24 @@ def prune_table(out: Path) -> tuple[str, dict]:
     return "\n".join(lines) + "\n", curves
 
 
+def generative_table(out: Path) -> tuple[str, dict]:
+    """`run.py --suite generative`: greedy GSM8K / HumanEval / MBPP per model."""
+    found = {}
+    for name in ["pretrained"] + sorted(KEEP_CHECKPOINT):
+        f = (out / "pretrained" if name == "pretrained" else arm_dir(out, name)) / "generative.json"
+        if f.is_file():
+            found[name] = {r["task"]: r for r in json.loads(f.read_text())}
+    if not found:
+        return "", {}
+    tasks = list(next(iter(found.values())))
+    head = "| model | " + " | ".join(f"{t} ({next(iter(found.values()))[t]['metric']}, n)" for t in tasks) + " |"
+    lines = ["### generative (greedy; pass@1 in the sandbox)", "", head, "|" + "---|" * (len(tasks) + 1)]
+    for name, rows in found.items():
+        cells = [f"{rows[t][rows[t]['metric']]:.3f} ± {rows[t]['stderr']:.3f} ({rows[t]['n']})" for t in tasks]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n", found
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="experiments/baselines/results")
@@ -89,6 +107,10 @@ def main() -> None:
     if text:
         report.append(text)
         data["prune"] = curves
+    text, rows = generative_table(out)
+    if text:
+        report.append(text)
+        data["generative"] = rows
     (out / "report.md").write_text("\n".join(report))
     (out / "report.json").write_text(json.dumps(data, indent=2))
     print("\n".join(report))

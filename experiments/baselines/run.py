@@ -7,6 +7,7 @@ processes and finished arms are skipped on a rerun. Then `report.py` builds the 
     .venv/bin/python experiments/baselines/run.py --suite table4 --out experiments/baselines/results
     .venv/bin/python experiments/baselines/run.py --suite table8 --out experiments/baselines/results
     .venv/bin/python experiments/baselines/run.py --suite prune  --out experiments/baselines/results
+    .venv/bin/python experiments/baselines/run.py --suite generative --out experiments/baselines/results
 
 Recipe: the anchor-priors experiment's (4 stages, 4 x 128 tokens per step, 100 steps, lr 1e-4),
 on the first 100 MATH training problems (92 packed rows), so that the 400 rows of a run are ~4
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,7 +43,9 @@ SUITES = {
                "TAH-Quant 2b-8b": {"boundary.kind": "tahquant"},
                "Top-K 10x": {"boundary.kind": "topk", "boundary.p": 0.9},
                "Bottleneck 20x": {"boundary.kind": "bottleneck", "boundary.p": 0.95},
-               "2-bit Quant": {"boundary.kind": "quant2"}},
+               "2-bit Quant": {"boundary.kind": "quant2"},
+               # TAH-Quant's bit widths without its Hadamard / outlier / extra-bit parts
+               "Quant 2b-8b": {"boundary.kind": "quant2", "boundary.bwd_bits": 8}},
     "table8": {"Dense": {}, "LoRA r16": LORA, "M95+AP": {**M95, **AP}, "LoRA r16 + M95+AP": {**LORA, **M95, **AP}},
     "smoke": {"Dense": {"train.steps": 2, "eval.every": 1}, "AQ-SGD 2b-8b": {"boundary.kind": "aqsgd",
                                                                                "train.steps": 2, "eval.every": 1}},
@@ -66,20 +70,56 @@ def prune(out: Path, tasks: str, limit: int) -> None:
         subprocess.run(cmd, check=True)
 
 
+GENERATIVE_TASKS = "gsm8k,humaneval,mbpp"
+
+
+def generative(out: Path, limit: int, jobs: int) -> None:
+    """`thinpipe eval` on the generative tasks: the pretrained model and the kept checkpoints."""
+    todo = []
+    for name in ["pretrained"] + sorted(KEEP_CHECKPOINT):
+        run = out / "pretrained" if name == "pretrained" else arm_dir(out, name)
+        if (run / "generative.json").is_file():
+            print(f"[skip] generative {name}: done already", flush=True)
+            continue
+        if name != "pretrained" and not (run / "checkpoint" / "state.pt").is_file():
+            raise SystemExit(f"generative: {run} has no checkpoint; run --suite table4 first")
+        run.mkdir(parents=True, exist_ok=True)
+        model = BASE["model.name"] if name == "pretrained" else str(run)
+        cmd = [sys.executable, "-m", "thinpipe", "eval", "--model", model, "--tasks", GENERATIVE_TASKS,
+               "--limit", str(limit), "--samples", str(run / "generative_samples.json"), "--json"]
+        todo.append((name, run, cmd))
+    for i in range(0, len(todo), jobs):
+        procs = []
+        for name, run, cmd in todo[i:i + jobs]:
+            print(f"[start] generative {name}", flush=True)
+            procs.append((name, run, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                                                      env={**os.environ, "OMP_NUM_THREADS": "1"})))
+        for name, run, p in procs:
+            text, _ = p.communicate()
+            if p.returncode:
+                raise SystemExit(f"generative {name} failed (exit {p.returncode})")
+            (run / "generative.json").write_text(text)
+            print(f"[done] generative {name}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--suite", default="table4", choices=sorted(SUITES) + ["prune"])
+    ap.add_argument("--suite", default="table4", choices=sorted(SUITES) + ["prune", "generative"])
     ap.add_argument("--out", default="experiments/baselines/results")
     ap.add_argument("--jobs", type=int, default=2, help="arms run in parallel")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per arm")
     ap.add_argument("--only", default="", help="comma-separated arm names to run")
     ap.add_argument("--prune-tasks", default="arc_easy", help="MC tasks re-measured by the pruning sweep")
     ap.add_argument("--prune-limit", type=int, default=200)
+    ap.add_argument("--generative-limit", type=int, default=50, help="problems per generative task")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.suite == "prune":
         prune(out, args.prune_tasks, args.prune_limit)
+        return
+    if args.suite == "generative":
+        generative(out, args.generative_limit, args.jobs)
         return
     arms = SUITES[args.suite]
     (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": BASE, "arms": arms}, indent=2))
