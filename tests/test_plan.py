@@ -121,6 +121,21 @@ def test_des_overlaps_transfers_on_different_links_and_adds_latency():
     assert faster["makespan_s"] < r["makespan_s"]
 
 
+def test_des_token_bucket_links_as_a_kernel_shaper():
+    """burst 0 is the pure-rate link; a message the full bucket covers costs only latency; back to
+    back, the second pays for what the first left of the bucket; an idle gap refills it."""
+    K, f, b_s, msg, B, lat = 2, 1.0, 2.0, 1000.0, 1000.0, 0.25
+    pure = simulate(PipelineStep(K, 1, f, b_s, msg, msg, B, lat))
+    assert simulate(PipelineStep(K, 1, f, b_s, msg, msg, B, lat, burst_bytes=0.0)) == pure
+    assert pure["makespan_s"] == pytest.approx(f + 1 + lat + f + b_s + 1 + lat + b_s)  # 1 s per message
+    covered = simulate(PipelineStep(K, 1, f, b_s, msg, msg, B, lat, burst_bytes=msg))
+    assert covered["makespan_s"] == pytest.approx(f + lat + f + b_s + lat + b_s)
+    # no compute, two microbatches, GPipe: the two forwards go back to back on one link; a bucket of
+    # 1.5 messages: the first is free, the second pays 0.5 s; the backward link's bucket is untouched
+    two = simulate(PipelineStep(K, 2, 0.0, 0.0, msg, msg, B, 0.0, "gpipe", burst_bytes=1.5 * msg))
+    assert two["makespan_s"] == pytest.approx(0.5 + 0.5)   # backward: first free, second pays 0.5 s
+
+
 def test_bench_prediction_without_links_gives_back_the_calibration_step():
     """The bench's model: with links that cost no time the predicted step is the measured
     unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1)); each message's

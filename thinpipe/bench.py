@@ -19,7 +19,8 @@ included, is printed too).
 
 The prediction replays the step in the schedule simulation (``plan/des.py``) with the compute taken
 from T0 (an unshaped (M + K - 1)-slot pipeline: f + b = T0 / (M + K - 1), f : b = 1 : 2) and the
-shaped links' bandwidth and latency (each message's header included: the link carries it), plus the DP all-reduce's modelled ring time
+shaped links' bandwidth and latency (each message's header included: the link carries it; with
+``--netns`` the links are token buckets of the kernel shaper's depth), plus the DP all-reduce's modelled ring time
 (``comm/distgroup.py``), MAPL's projector sync (two blocking messages per step) and, for the
 anchor, nothing (it is off the critical path).
 """
@@ -33,6 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from thinpipe.comm.netns import KERNEL_BURST_BYTES
 from thinpipe.comm.wire import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
 
@@ -89,8 +91,10 @@ def steady_step_s(walls: list[float], skip: int = WARMUP_STEPS) -> float:
     return (walls[-1] - walls[skip - 1]) / (len(walls) - skip)
 
 
-def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps: float, latency_ms: float) -> float:
-    """The shaped step time from the calibration run's (see the module docstring)."""
+def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps: float, latency_ms: float,
+                   burst_bytes: float = 0.0) -> float:
+    """The shaped step time from the calibration run's (see the module docstring); ``burst_bytes``:
+    the links' token-bucket depth (the kernel shaper's, with ``--netns``; the transport's is 0)."""
     K, M = cfg["mesh.pp"], cfg["train.microbatches"]
     f_plus_b = t0_s / (M + K - 1)
     tokens = shaped["tokens"] / shaped["steps"]  # per step, all fast replicas
@@ -102,7 +106,7 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
     fwd = b["pp_fwd"] * per_replica / M / (K - 1) + HEADER_BYTES
     bwd = b["pp_bwd"] * per_replica / M / (K - 1) + HEADER_BYTES
     pipe = simulate(PipelineStep(K, M, f_plus_b / 3, 2 * f_plus_b / 3, fwd, bwd, pp_mbps * 1e6 / 8,
-                                 latency_ms / 1e3, cfg.get("train.schedule", "1f1b")))["makespan_s"]
+                                 latency_ms / 1e3, cfg.get("train.schedule", "1f1b"), burst_bytes))["makespan_s"]
     dp_s = 0.0
     if dp > 1:  # the ring model of DistGroup, per stage group, all stages at once
         per_rank = b["dp"] * tokens / K / dp
@@ -159,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"FAILED {name}: {e}", file=sys.stderr, flush=True)
                 continue
             step0 = t0["steady_step_s"]
+            burst = KERNEL_BURST_BYTES if args.netns else 0.0
             predicted = shaped["tokens"] / shaped["steps"] / predict_step_s(step0, shaped, base, args.pp_mbps,
-                                                                            args.dp_mbps, args.latency_ms)
+                                                                            args.dp_mbps, args.latency_ms, burst)
             results[name] = (shaped, step0, predicted)
             print(f"done {name}", file=sys.stderr, flush=True)
 

@@ -22,6 +22,10 @@ from thinpipe.mesh import MeshLayout
 
 SUBNET = "10.77.0"
 UNSHAPED_MBIT = 100_000  # the default class: control traffic between ranks with no shaped link
+# Bucket depth of every shaped class (tc's own default at these rates is about the same, but set
+# here so that a model can know it): after an idle spell this many bytes leave at line rate, so a
+# message of a few KB crosses faster than bytes / rate (``plan/des.py`` models it: ``burst_bytes``).
+KERNEL_BURST_BYTES = 1600
 
 
 @dataclass
@@ -101,7 +105,8 @@ def _shape(name: str, me: int, rates: dict[tuple[int, int], float], ns: Namespac
     for j, mbps in sorted(mine.items()):
         cls = f"1:{10 + j}"
         _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", cls, "htb",
-             "rate", f"{mbps}mbit", "ceil", f"{mbps}mbit")
+             "rate", f"{mbps}mbit", "ceil", f"{mbps}mbit",
+             "burst", f"{KERNEL_BURST_BYTES}b", "cburst", f"{KERNEL_BURST_BYTES}b")
         _run(*tc, "filter", "add", "dev", "eth0", "protocol", "ip", "parent", "1:", "prio", "1", "u32",
              "match", "ip", "dst", f"{ns.addr(j)}/32", "flowid", cls)
 

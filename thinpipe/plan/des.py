@@ -9,7 +9,9 @@ Times in seconds, sizes in bytes, rates in bytes/s. An action F(s, m) starts whe
 and microbatch m's activation has arrived from stage s-1; B(s, m) when stage s is free and the
 gradient has arrived from stage s+1 (and F(s, m) is done). A message enters its link when the
 action that produced it ends, waits for the link to be free, holds it for bytes / rate and
-arrives ``latency_s`` later.
+arrives ``latency_s`` later. With ``burst_bytes`` the link is a token bucket of that depth (as a
+kernel shaper is, ``comm/netns.py``): tokens refill at the rate while the link idles, and a message
+pays bytes / rate only for what the bucket does not cover.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class PipelineStep:
     rate_bytes_per_s: float       # every PP link's bandwidth (each direction of each boundary)
     latency_s: float = 0.0
     schedule: str = "1f1b"
+    burst_bytes: float = 0.0      # token-bucket depth of every link (0 = a pure rate)
 
 
 def simulate(p: PipelineStep) -> dict:
@@ -39,6 +42,7 @@ def simulate(p: PipelineStep) -> dict:
     rows = SCHEDULES[p.schedule](p.stages, p.microbatches)
     free = [0.0] * p.stages                     # when each stage is next idle
     link_free: dict[tuple[int, str], float] = {}  # (boundary, direction) -> when the link is next idle
+    tokens: dict[tuple[int, str], float] = {}     # bytes in the link's bucket when it went idle
     arrive: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> arrival time
     done: dict[tuple[int, str, int], float] = {}
     busy = 0.0
@@ -62,7 +66,10 @@ def simulate(p: PipelineStep) -> dict:
         else:
             continue
         start = max(end, link_free.get(key, 0.0))
-        link_free[key] = start + nbytes / p.rate_bytes_per_s
+        idle_s = start - link_free.get(key, 0.0)
+        bucket = min(p.burst_bytes, tokens.get(key, p.burst_bytes) + idle_s * p.rate_bytes_per_s)
+        tokens[key] = max(bucket - nbytes, 0.0)
+        link_free[key] = start + max(nbytes - bucket, 0.0) / p.rate_bytes_per_s
         arrive[(to, kind, m)] = link_free[key] + p.latency_s
     makespan = max(free)
     return {"makespan_s": makespan, "busy_fraction": busy / (p.stages * makespan) if makespan > 0 else 1.0}
