@@ -282,10 +282,10 @@ def test_bench_calibration_is_the_fast_circuit_over_free_links():
     """T0 has no link time and no anchor in it (the planner puts the anchor off the critical path)."""
     from thinpipe.bench import ARMS, BASE, CALIBRATION_MBPS, calibration
 
-    links = {"link.pp_mbps": 4.0, "link.pp_latency_ms": 5.0, "link.dp_mbps": 4.0, "link.dp_latency_ms": 5.0}
+    shaped = {"link.pp_mbps": 4.0, "link.pp_latency_ms": 5.0, "link.dp_mbps": 4.0, "link.dp_latency_ms": 5.0}
     for arm in ("M95", "M95+AP", "M95+AP + PowerSGD r4, 2 replicas"):
-        cal = calibration({**BASE, **ARMS[arm]}, links, 60)
+        cal = calibration({**BASE, **ARMS[arm], **shaped}, 60)
         assert cal["link.pp_mbps"] == cal["link.dp_mbps"] == CALIBRATION_MBPS and cal["train.steps"] == 60
-        assert not any(k.endswith("latency_ms") for k in cal)
+        assert cal["link.pp_latency_ms"] == cal["link.dp_latency_ms"] == 0
         assert cal.get("mesh.anchor", 0) == 0 and not any(k.startswith("anchor.") for k in cal)
         assert cal.get("mesh.dp", 1) == ARMS[arm].get("mesh.dp", 1)   # the fast circuit as measured

@@ -61,34 +61,37 @@ def test_due_queue_delivers_at_due_times_earliest_first_never_early():
     due = {"a1": 0.2, "a2": 0.3, "a3": 0.3, "late link": 0.6}
     for item, at in delivered:
         assert at - t0 >= due[item]                 # never before its due time
-        assert at - t0 < due[item] + 0.25           # nor held long after it
+        assert at - t0 < due[item] + 1.0            # nor held long after it (slack: a loaded machine)
     assert q.unfinished == 0
     q.close()
 
 
 def test_due_queue_back_to_back_messages_overlap_their_latency():
-    """Two 0.1 s messages on a link with 0.3 s latency: the second arrives at 0.5 s (0.2 s of
-    transfer + one latency), not 0.8 s as a sender that sleeps out each latency would give."""
-    link = ShapedLink(rate_mbps=8.0, latency_ms=300.0)
+    """Two 0.1 s messages on a link with 2 s latency: the second arrives at 2.2 s (0.2 s of
+    transfer + one latency), not 4.2 s as a sender that sleeps out each latency would give."""
+    link = ShapedLink(rate_mbps=8.0, latency_ms=2000.0)
     delivered = []
     q = DueQueue(lambda item: delivered.append(time.perf_counter()))
     t0 = link.clock()
     for _ in range(2):
         q.put(link.delivery_time(100_000, link.clock()), None)
     q.join()
-    assert delivered[1] - t0 >= 0.5
-    assert delivered[1] - t0 < 0.7
+    assert delivered[1] - t0 >= 2.2
+    assert delivered[1] - t0 < 3.2
 
 
 def test_due_queue_keeps_a_delivery_error_for_the_owner():
+    delivered = []
+
     def deliver(item):
         if item == "bad":
             raise OSError("peer gone")
+        delivered.append(item)
     q = DueQueue(deliver)
     q.put(time.perf_counter(), "bad")
     q.put(time.perf_counter(), "good")   # the thread goes on after an error
     q.join()
-    assert isinstance(q.error, OSError)
+    assert isinstance(q.error, OSError) and delivered == ["good"]
     q.close()
     with pytest.raises(RuntimeError, match="closed"):
         q.put(time.perf_counter(), "after close")

@@ -119,10 +119,11 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
     return pipe + dp_s + params_s
 
 
-def calibration(base: dict, links: dict, steps: int) -> dict:
+def calibration(base: dict, steps: int) -> dict:
     """The calibration run of an arm: its fast circuit over links that cost nothing (see the
     module docstring)."""
-    cfg = {**base, "train.steps": steps, "link.pp_mbps": CALIBRATION_MBPS, "link.dp_mbps": CALIBRATION_MBPS}
+    cfg = {**base, "train.steps": steps, "link.pp_mbps": CALIBRATION_MBPS, "link.dp_mbps": CALIBRATION_MBPS,
+           "link.pp_latency_ms": 0, "link.dp_latency_ms": 0}
     if base.get("mesh.anchor"):
         cfg = {k: v for k, v in cfg.items() if not k.startswith("anchor.")} | {"mesh.anchor": 0}
     return cfg
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.netns:
                 links["link.shaper"] = "kernel"
             try:
-                t0 = run_arm(name + " calibration", calibration(base, links, args.calibration_steps), Path(tmp))
+                t0 = run_arm(name + " calibration", calibration(base, args.calibration_steps), Path(tmp))
                 shaped = run_arm(name, {**base, "train.steps": args.steps, **links}, Path(tmp), netns=args.netns)
             except ArmFailed as e:
                 failed[name] = str(e)

@@ -254,6 +254,7 @@ class AnchorStageRank:
                 if not last:
                     self.row_transport.send(("anchor-cycle", s), Payload({"step": torch.tensor([step])}), None)
                 if step == STOP:
+                    self.row_transport.flush()  # the next stage's stop must have left before teardown
                     break
                 if self.cycles == fault_at_cycle:
                     raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")

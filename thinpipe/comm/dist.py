@@ -13,7 +13,8 @@ Shaped links (``link_for(axis, peer)`` returns a ``ShapedLink`` or None): at han
 books the message's arrival time (transfer queued behind the link's earlier messages, plus the
 latency) and a sender thread (``DueQueue``) posts it then, so the stage computes on while its
 message is "on the wire" as with a real NIC, messages in flight overlap their latencies, and
-messages to one peer keep their order. The link carries the header too: it is on a real wire.
+messages on one link keep their order (``link_for`` gives one link per peer for every shaped
+axis; an unshaped message is posted at once). The link carries the header too: it is on a real wire.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Link shaping in user space: bandwidth (token bucket) and latency per link, no root needed.
+"""Link shaping in user space: bandwidth (a pure rate, no burst) and latency per link, no root needed.
 
 A message of n bytes handed to a link at time t leaves it no earlier than
     start = max(t, link free)      done = start + n * 8 / rate      arrival = done + latency
@@ -16,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from thinpipe.engine.log import say
 
 
 @dataclass
@@ -87,6 +89,9 @@ class DueQueue:
             self._closed = True
             self._cv.notify_all()
         self._thread.join(timeout=timeout_s)
+        if self._thread.is_alive():
+            say(f"[thinpipe] warning: {self._unfinished} message(s) still queued on a shaped link after "
+                f"{timeout_s:.0f} s at shutdown; they may be lost")
 
     _STOP = object()
 

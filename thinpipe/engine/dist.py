@@ -535,4 +535,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
             run.transport.close()
             for tr in (run.feed.pull_transport, run.feed.push_transport) if run.feed else ():
                 tr.close()
+            a = run.anchor_rank
+            for tr in (a.pull_transport, a.push_transport, a.row_transport) if a else ():
+                tr.close()
         dist.destroy_process_group()
