@@ -113,7 +113,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated arm names to run")
     ap.add_argument("--prune-tasks", default="arc_easy", help="MC tasks re-measured by the pruning sweep")
     ap.add_argument("--prune-limit", type=int, default=200)
-    ap.add_argument("--generative-limit", type=int, default=50, help="problems per generative task")
+    ap.add_argument("--generative-limit", type=int, default=20, help="problems per generative task (~10 s each here)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
