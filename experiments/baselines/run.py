@@ -48,7 +48,7 @@ SUITES = {
                "Quant 2b-8b": {"boundary.kind": "quant2", "boundary.bwd_bits": 8}},
     "table8": {"Dense": {}, "LoRA r16": LORA, "M95+AP": {**M95, **AP}, "LoRA r16 + M95+AP": {**LORA, **M95, **AP},
                # control: LoRA + M95+AP diverges at LoRA's lr 1e-3; is it the lr?
-               "LoRA r16 + M95+AP, lr 1e-4": {**LORA, **M95, **AP, "train.lr": 1e-4}},
+               "LoRA r16 + M95+AP lr 1e-4": {**LORA, **M95, **AP, "train.lr": 1e-4}},
     "smoke": {"Dense": {"train.steps": 2, "eval.every": 1}, "AQ-SGD 2b-8b": {"boundary.kind": "aqsgd",
                                                                                "train.steps": 2, "eval.every": 1}},
 }
