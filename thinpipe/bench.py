@@ -20,8 +20,8 @@ included, is printed too).
 The prediction replays the step in the schedule simulation (``plan/des.py``) with the compute taken
 from T0 (an unshaped (M + K - 1)-slot pipeline: f + b = T0 / (M + K - 1), f : b = 1 : 2) and the
 shaped links' bandwidth and latency (each message's header included: the link carries it; with
-``--netns`` the links are token buckets of the kernel shaper's depth), plus the DP all-reduce's modelled ring time
-(``comm/distgroup.py``), MAPL's projector sync (two blocking messages per step) and, for the
+``--netns`` the links are token buckets of the kernel shaper's depth), plus the DP all-reduce's
+modelled ring time (``comm/distgroup.py``), MAPL's projector sync (two blocking messages per step) and, for the
 anchor, nothing (it is off the critical path).
 """
 
@@ -80,7 +80,7 @@ def run_arm(name: str, cfg: dict, out: Path, netns: bool = False) -> dict:
 
 
 # Steps whose time is left out of a run's step time: process start-up, first-touch allocation and
-# kernel selection fall there, and weigh 4x more in a 60-step calibration than in a 120-step run.
+# kernel selection fall there, and weigh 2x more in a 60-step calibration than in a 120-step run.
 WARMUP_STEPS = 5
 
 
