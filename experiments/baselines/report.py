@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from run import KEEP_CHECKPOINT, SUITES, arm_dir  # noqa: E402
+from run import GENERATIVE_MODELS, KEEP_CHECKPOINT, SUITES, arm_dir, generative_dir  # noqa: E402
 
 from arms import load_results, save_figure  # noqa: E402  (run.py put experiments/ on the path)
 
@@ -75,8 +75,8 @@ def prune_table(out: Path) -> tuple[str, dict]:
 def generative_table(out: Path) -> tuple[str, dict]:
     """`run.py --suite generative`: greedy GSM8K / HumanEval / MBPP per model."""
     found = {}
-    for name in ["pretrained"] + sorted(KEEP_CHECKPOINT):
-        f = (out / "pretrained" if name == "pretrained" else arm_dir(out, name)) / "generative.json"
+    for name in GENERATIVE_MODELS:
+        f = generative_dir(out, name) / "generative.json"
         if f.is_file():
             found[name] = {r["task"]: r for r in json.loads(f.read_text())}
     if not found:

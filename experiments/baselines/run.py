@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -73,35 +74,36 @@ def prune(out: Path, tasks: str, limit: int) -> None:
 
 
 GENERATIVE_TASKS = "gsm8k,humaneval,mbpp"
+GENERATIVE_MODELS = ["pretrained"] + sorted(KEEP_CHECKPOINT)
+
+
+def generative_dir(out: Path, name: str) -> Path:
+    """Where a model's generative results live: its run folder, or ``pretrained/``."""
+    return out / "pretrained" if name == "pretrained" else arm_dir(out, name)
 
 
 def generative(out: Path, limit: int, jobs: int) -> None:
     """`thinpipe eval` on the generative tasks: the pretrained model and the kept checkpoints."""
-    todo = []
-    for name in ["pretrained"] + sorted(KEEP_CHECKPOINT):
-        run = out / "pretrained" if name == "pretrained" else arm_dir(out, name)
+    def evaluate(name: str) -> None:
+        run = generative_dir(out, name)
         if (run / "generative.json").is_file():
             print(f"[skip] generative {name}: done already", flush=True)
-            continue
+            return
         if name != "pretrained" and not (run / "checkpoint" / "state.pt").is_file():
             raise SystemExit(f"generative: {run} has no checkpoint; run --suite table4 first")
         run.mkdir(parents=True, exist_ok=True)
         model = BASE["model.name"] if name == "pretrained" else str(run)
         cmd = [sys.executable, "-m", "thinpipe", "eval", "--model", model, "--tasks", GENERATIVE_TASKS,
                "--limit", str(limit), "--samples", str(run / "generative_samples.json"), "--json"]
-        todo.append((name, run, cmd))
-    for i in range(0, len(todo), jobs):
-        procs = []
-        for name, run, cmd in todo[i:i + jobs]:
-            print(f"[start] generative {name}", flush=True)
-            procs.append((name, run, subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                                                      env={**os.environ, "OMP_NUM_THREADS": "1"})))
-        for name, run, p in procs:
-            text, _ = p.communicate()
-            if p.returncode:
-                raise SystemExit(f"generative {name} failed (exit {p.returncode})")
-            (run / "generative.json").write_text(text)
-            print(f"[done] generative {name}", flush=True)
+        print(f"[start] generative {name}", flush=True)
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode:
+            raise SystemExit(f"generative {name} failed (exit {r.returncode})")
+        (run / "generative.json").write_text(r.stdout)
+        print(f"[done] generative {name}", flush=True)
+
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(evaluate, GENERATIVE_MODELS))
 
 
 def main() -> None:
