@@ -1,9 +1,9 @@
-"""The anchor links' payloads (anchor/wire.py): what is sent is what is metered, and what a fast
+"""The anchor links' payloads (anchor/codec.py): what is sent is what is metered, and what a fast
 replica rebuilds is exactly what the anchor's PowerSGD compression produced."""
 
 import torch
 
-from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull
+from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull
 from thinpipe.comm import LocalGroup, drive_lockstep
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average, wire_numel
 

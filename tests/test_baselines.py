@@ -189,7 +189,7 @@ def test_bottleneck_is_a_projection_at_start_and_its_halves_live_on_their_stages
 
 @pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck"])
 def test_every_new_kind_trains_in_the_engine(kind, tmp_path):
-    from thinpipe.engine.trainer import train
+    from thinpipe.engine.run import train
 
     cfg = config(model__name="tiny-llama", data__name="synthetic", mesh__pp=2, boundary__kind=kind,
                  train__steps=3, train__batch_size=2, train__seq_len=32, data__val_rows=4, eval__every=0,

@@ -73,7 +73,7 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
 def test_export_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from thinpipe.engine.trainer import load_run
+    from thinpipe.runs import load_run
 
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=2", "--set", "mesh.pp=2"]) == 0

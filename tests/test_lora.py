@@ -36,7 +36,7 @@ def test_only_adapter_parameters_change_and_are_counted(family, tied):
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("lora_B" in k or "lora_A" in k for k in changed)
     assert {k for k in before if "lora_" in k} == changed  # every adapter moved (B starts at 0)
-    from thinpipe.engine.trainer import trainable_params
+    from thinpipe.engine.sim_engine import trainable_params
 
     n_adapters = sum(v.numel() for k, v in before.items() if "lora_" in k)
     assert trainable_params(mesh) == n_adapters
@@ -112,7 +112,7 @@ def test_train_reports_trainable_params_and_export_merges_adapters(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert not any("lora" in n for n, _ in hf.named_parameters())
     # the exported plain model computes what the trained mesh computes
-    from thinpipe.engine.trainer import load_mesh
+    from thinpipe.runs import load_mesh
 
     _, mesh, _ = load_mesh(run)
     ids = torch.randint(0, 512, (1, 12))

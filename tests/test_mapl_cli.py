@@ -42,8 +42,9 @@ def test_pca_start_captures_more_energy_than_random_and_keeps_the_manifold():
     batches = [tiny_batch(batch_size=2, seq_len=32, seed=s) for s in range(3)]
     cfg = config(model__name="tiny-llama", mesh__pp=4, boundary__kind="mapl", boundary__rank=8)
     rand = SimMesh(model, cfg)
-    pca = SimMesh(model, cfg)
-    pca.pca_start(batches)
+    pca = SimMesh(model, config(model__name="tiny-llama", mesh__pp=4, boundary__kind="mapl", boundary__rank=8,
+                                boundary__init="pca"))
+    pca.residual_start(batches)
     from thinpipe.analysis import captured_energy
     from thinpipe.optim.stiefel import stiefel_error
     for b, X_r, X_p in zip(pca.boundaries, rand.boundary_residuals(batches), pca.boundary_residuals(batches)):

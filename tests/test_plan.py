@@ -141,7 +141,7 @@ def test_bench_prediction_without_links_gives_back_the_calibration_step():
     unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1)); each message's
     header is on the wire even when the metered payload is nothing."""
     from thinpipe.bench import BASE, predict_step_s
-    from thinpipe.comm.wire import HEADER_BYTES
+    from thinpipe.comm.header import HEADER_BYTES
 
     shaped = {"tokens": 2560, "steps": 10, "bytes_per_token": {"pp_fwd": 0, "pp_bwd": 0, "pp_params": 0, "dp": 0}}
     assert predict_step_s(0.3, shaped, BASE, 1e12, 1e12, 0.0) == pytest.approx(0.3)

@@ -12,7 +12,7 @@ import torch
 
 from thinpipe.boundary.base import Payload
 from thinpipe.comm.shaped import DueQueue, ShapedLink
-from thinpipe.comm.wire import PayloadError, decode_header, encode_header
+from thinpipe.comm.header import PayloadError, decode_header, encode_header
 
 
 def sample_payload():
@@ -110,6 +110,8 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
         from thinpipe.comm import ByteMeter
         from thinpipe.comm.dist import DistTransport
         from thinpipe.comm.shaped import ShapedLink
+        from thinpipe.comm.tags import Activation, Gradient
+        from thinpipe.mesh import MeshLayout
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
         torch.manual_seed(0)
@@ -117,21 +119,21 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
                      "mask": torch.rand(4) > 0.5, "big": torch.randn(250_000)})
         meter = ByteMeter()
         link = ShapedLink(rate_mbps=80.0)
-        t = DistTransport(lambda tag: 1 - rank, lambda tag: 1 if tag == "F" else 2, meter,
-                          lambda axis, peer: link if axis == "pp_fwd" else None)
+        t = DistTransport(MeshLayout(1, 2), rank, meter, lambda axis, peer: link if axis == "pp_fwd" else None)
+        F, B = Activation(0, 0, 0), Gradient(0, 0, 0)
         if rank == 0:
             t0 = time.perf_counter()
-            t.send("F", p, "pp_fwd")
+            t.send(F, p, "pp_fwd")
             handed = time.perf_counter() - t0   # the sender thread holds the message, not the caller
             t.flush()
-            back = t.recv("B")
+            back = t.recv(B)
             print("elapsed", time.perf_counter() - t0, "bytes", meter.totals["pp_fwd"], "handed", handed, flush=True)
             assert torch.equal(back.tensors["g"], torch.full((3,), 7, dtype=torch.int64))
         else:
-            got = t.recv("F")
+            got = t.recv(F)
             for k, v in p.tensors.items():
                 assert got.tensors[k].dtype == v.dtype and torch.equal(got.tensors[k], v), k
-            t.send("B", Payload({"g": torch.full((3,), 7, dtype=torch.int64)}), "pp_bwd")
+            t.send(B, Payload({"g": torch.full((3,), 7, dtype=torch.int64)}), "pp_bwd")
             t.flush()
         dist.destroy_process_group()
     """)
@@ -148,3 +150,25 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
     assert nbytes == 2 * 3 * 5 * 2 + 6 * 2 + 4 + 250_000 * 4
     assert elapsed >= nbytes * 8 / 80e6          # ~0.1 s at 80 Mbit/s: never faster than size / rate
     assert handed < 0.5 * nbytes * 8 / 80e6      # and the sender was free to compute meanwhile
+
+
+def test_both_transports_refuse_a_message_without_a_typed_tag():
+    """A tag that is not one of comm/tags.py's types fails in the simulation as on the real mesh
+    (the real transport checks before it touches torch.distributed)."""
+    from thinpipe.comm import ByteMeter, Mailbox
+    from thinpipe.comm.dist import DistTransport
+    from thinpipe.comm.tags import Activation
+    from thinpipe.mesh import MeshLayout
+
+    payload = Payload({"x": torch.zeros(2)})
+    box = Mailbox(ByteMeter())
+    real = DistTransport(MeshLayout(1, 2), 0, ByteMeter())
+    for bad in [(0, "F", 0, 0), "F", ("pull",)]:
+        for call in (lambda: box.send(bad, payload, "pp_fwd"), lambda: box.recv(bad),
+                     lambda: real.send(bad, payload, "pp_fwd"), lambda: real.recv(bad)):
+            with pytest.raises(TypeError, match="unknown message tag"):
+                call()
+    box.send(Activation(0, 0, 0), payload, "pp_fwd")
+    assert box.recv(Activation(0, 0, 0)) is payload
+    with pytest.raises(ValueError, match="not an end"):
+        Activation(0, 0, 0).peer(MeshLayout(1, 3), 2)  # boundary 0 joins ranks 0 and 1

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from thinpipe.comm.netns import KERNEL_BURST_BYTES
-from thinpipe.comm.wire import HEADER_BYTES
+from thinpipe.comm.header import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
 
 BASE = {"model.name": "tiny-llama", "data.name": "synthetic", "mesh.pp": 2, "train.batch_size": 4,

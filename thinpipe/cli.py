@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from thinpipe.config import ConfigError, load_config
+from thinpipe.plugins import load_plugins
 
 EXIT_USAGE = 2
 
@@ -48,13 +49,15 @@ def cmd_train(args) -> int:
     _validate_names(cfg)
     if args.engine == "dist":
         from thinpipe.engine.dist import check_supported, train_dist
+        from thinpipe.engine.run import resolve_resume
 
         check_supported(cfg)
+        cfg = resolve_resume(cfg, Path(args.out), args.resume)
         summary = train_dist(cfg, args.out, progress=not args.quiet, resume=args.resume)
         if summary is not None:
             print_summary(summary, Path(args.out))
         return 0
-    from thinpipe.engine.trainer import train
+    from thinpipe.engine.run import train
 
     summary = train(cfg, args.out, resume=args.resume, progress=not args.quiet)
     print_summary(summary, Path(args.out))
@@ -208,7 +211,7 @@ def _eval_model(spec: str):
 
     path = Path(spec)
     if path.is_dir() and (path / "checkpoint" / "state.pt").is_file():
-        from thinpipe.engine.trainer import load_mesh, load_run
+        from thinpipe.runs import load_mesh, load_run
 
         cfg = load_config(path / "config.toml")
         if cfg.boundary.kind in ARCHITECTURAL_KINDS:
@@ -223,7 +226,7 @@ def _eval_model(spec: str):
 
 
 def cmd_export(args) -> int:
-    from thinpipe.engine.trainer import export
+    from thinpipe.runs import export
 
     run = Path(args.run)
     if not (run / "checkpoint" / "state.pt").is_file():
@@ -255,7 +258,7 @@ def cmd_prune(args) -> int:
 
 
 def cmd_analyze(args) -> int:
-    from thinpipe.analysis.report import analyze_run
+    from thinpipe.analyze import analyze_run
 
     if args.batches < 1:
         raise ConfigError(f"--batches must be >= 1, got {args.batches}")
@@ -359,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    load_plugins()  # boundary kinds named in THINPIPE_PLUGINS (plugins.py)
     if argv[:1] == ["bench"]:  # its own options (thinpipe/bench.py)
         from thinpipe.bench import main as bench
 

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from thinpipe.config import Config, apply_overrides
+from thinpipe.engine.run import train
 
 # Sized to finish in about 9 minutes on 2 idle CPU cores (~4 s per step at 4 x 128 tokens, 4 arms).
 FULL = {"model.name": "smollm2-135m", "data.name": "math", "mesh.pp": 4, "train.steps": 30,
@@ -42,8 +43,6 @@ def arm_config(base: dict, arm: dict) -> Config:
 
 
 def run_demo(out: str | Path, quick: bool = False) -> int:
-    from thinpipe.engine.trainer import train
-
     out = Path(out)
     base = QUICK if quick else FULL
     results = {}

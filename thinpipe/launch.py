@@ -20,8 +20,9 @@ import sys
 import threading
 import time
 
+from thinpipe.comm import netns as nets
 from thinpipe.config import ConfigError, load_config
-from thinpipe.engine.log import say
+from thinpipe.log import say
 from thinpipe.mesh import MeshLayout
 
 NETNS_PORT = 29500  # inside the job's own namespaces: no other job can hold it
@@ -51,8 +52,6 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
     layout.check_world(nproc)  # before starting (or building) anything
     ns = None
     if netns:
-        from thinpipe.comm import netns as nets
-
         nets.check_available()
         rates = nets.link_rates_mbps(layout, cfg.link.pp_mbps, cfg.link.dp_mbps, cfg.model.tied == "sync")
         ns = nets.create(layout, rates, job=str(os.getpid() % 100000))

@@ -18,7 +18,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from thinpipe.config import ConfigError
+from thinpipe.config import ConfigError, apply_overrides
+from thinpipe.engine.setup import build_data
+from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_engine import mesh_validation_loss
+from thinpipe.eval import evaluate_mc, logits_fn_from_model
+from thinpipe.runs import load_run
 
 
 def prunable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -65,10 +70,6 @@ def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limi
     """Held-out loss (and MC accuracy on ``tasks``) of ``run``'s model at each sparsity."""
     from tqdm import tqdm
 
-    from thinpipe.config import apply_overrides
-    from thinpipe.engine.sim import SimMesh
-    from thinpipe.engine.trainer import build_data, load_run, validation_loss
-    from thinpipe.eval import evaluate_mc, logits_fn_from_model
 
     cfg, model, tokenizer = load_run(run)
     model.eval()
@@ -80,7 +81,7 @@ def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limi
     for s in tqdm(sparsities, desc="prune", unit="sparsity"):
         pruned = copy.deepcopy(model)
         stats = global_magnitude_prune(pruned, s)
-        loss = validation_loss(SimMesh(pruned, eval_cfg), val, cfg.train.batch_size)
+        loss = mesh_validation_loss(SimMesh(pruned, eval_cfg), val, cfg.train.batch_size)
         row = {**stats, "val_loss": loss, "val_ppl": math.exp(loss)}
         with torch.no_grad():
             for t in tasks:

@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from thinpipe.config import Config, apply_overrides  # noqa: E402
-from thinpipe.engine.trainer import train  # noqa: E402
+from thinpipe.engine.run import train  # noqa: E402
 
 BASE = {"model.name": "tiny-llama", "data.name": "math", "mesh.pp": 2, "mesh.dp": 4, "train.batch_size": 4,
         "train.seq_len": 128, "train.lr": 3e-3, "train.warmup_ratio": 0.05, "train.grad_clip": 1.0,

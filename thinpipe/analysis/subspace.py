@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from thinpipe.optim.stiefel import orthonormal
+
 
 def singular_values(X: torch.Tensor) -> torch.Tensor:
     """Singular values of a (tokens, d) matrix, descending (float64 for the small tail)."""
@@ -58,3 +60,10 @@ def cosine_preservation(X: torch.Tensor, A: torch.Tensor, pairs: int = 2000, see
 def stable_rank(W: torch.Tensor) -> float:
     W = W.detach().double()
     return float(W.pow(2).sum() / torch.linalg.matrix_norm(W, ord=2).pow(2))
+
+
+def energy_vs_fixed(X: torch.Tensor, A: torch.Tensor, seed: int, index: int) -> tuple[float, float]:
+    """(captured energy of ``X`` by ``A``, by a fixed random orthonormal basis of the same rank),
+    MAPL Fig. 4b; the fixed basis of boundary ``index`` is seeded so every run draws the same one."""
+    fixed = orthonormal(A.shape[0], A.shape[1], torch.Generator().manual_seed(seed + 17 + index))
+    return captured_energy(X, A), captured_energy(X, fixed)

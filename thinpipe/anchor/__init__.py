@@ -1,5 +1,5 @@
 """The anchor circuit: unmasked passes on stale weights, delivered as anchor priors (paper §3.2, App. H)."""
 
-from thinpipe.anchor.circuit import AnchorPrior, SimAnchorCircuit
+from thinpipe.anchor.sim import AnchorPrior, SimAnchorCircuit
 
 __all__ = ["AnchorPrior", "SimAnchorCircuit"]

@@ -14,51 +14,75 @@ from thinpipe.boundary.quant import QuantBoundary
 from thinpipe.boundary.ssn import SsnBoundary, SubspaceBasis
 from thinpipe.boundary.tahquant import TahQuantBoundary
 from thinpipe.boundary.topk import TopKBoundary
+from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 __all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
            "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary", "TopKBoundary",
            "build_boundaries", "kept_dims"]
 
 
+def _mask(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return MaskBoundary(b, hidden, cfg.p, seed, cfg.rescale, wire_dtype, cfg.p_warmup)
+
+
+def _topk(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return TopKBoundary(b, hidden, cfg.p, wire_dtype)
+
+
+def _quant(cfg, b, hidden, seed, wire_dtype, model, shared):
+    cls = AqsgdBoundary if cfg.kind == "aqsgd" else QuantBoundary
+    return cls(b, hidden, *cfg.bits(), cfg.quant_group, wire_dtype)
+
+
+def _tahquant(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return TahQuantBoundary(b, hidden, *cfg.bits(), cfg.quant_group, cfg.tah_high_fraction, cfg.tah_outlier_ratio,
+                            wire_dtype)
+
+
+def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return BottleneckBoundary(b, hidden, cfg.p, seed, wire_dtype)
+
+
+def _ssn(cfg, b, hidden, seed, wire_dtype, model, shared):
+    if "ssn_basis" not in shared:  # one basis for every boundary of the replica
+        token_fixed = model.get_input_embeddings().weight.detach().float().clone()
+        shared["ssn_basis"] = SubspaceBasis(hidden, cfg.rank, seed, token_fixed, cfg.ssn_refresh_every,
+                                            cfg.ssn_refresh_lr)
+    basis = shared["ssn_basis"]
+    return SsnBoundary(b, hidden, basis, basis.token_fixed, wire_dtype)
+
+
+def _mapl(cfg, b, hidden, seed, wire_dtype, model, shared):
+    emb = model.get_input_embeddings().weight
+    args = (b, hidden, cfg.rank, emb.shape[0], emb, seed)
+    kw = dict(anchor=cfg.anchor, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype,
+              pca_start=cfg.init == "pca")
+    if cfg.kind == "mapl":
+        return MaplBoundary(*args, **kw)
+    return MaplVQBoundary(*args, **kw, codes=cfg.vq_codes, rounds=cfg.vq_rounds, group_size=cfg.vq_group_size,
+                          sync_codes=cfg.vq_sync_codes, decay=cfg.vq_decay)
+
+
+BUILTIN = {"mask": _mask, "topk": _topk, "quant4": _quant, "quant2": _quant, "aqsgd": _quant, "tahquant": _tahquant,
+           "bottleneck": _bottleneck, "ssn": _ssn, "mapl": _mapl, "mapl-vq": _mapl}
+
+
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None,
                      model=None) -> list[Boundary]:
-    """One boundary per stage pair; ``cfg.masked`` selects which get the configured kind.
+    """One boundary per stage pair; ``cfg.masked`` selects which get the configured kind (the others
+    are dense). A kind is a builder in ``BUILTIN`` or one a plugin registered (``plugins.py``).
 
     The learned kinds (ssn, mapl, mapl-vq) need ``model`` for the vocabulary and token embedding;
     call once per replica (each replica owns its copy of the boundary parameters)."""
+    builders = {**BUILTIN, **PLUGIN_BOUNDARIES}
+    if cfg.kind != "identity" and cfg.kind not in builders:
+        raise ValueError(f"unknown boundary kind {cfg.kind!r}")
+    shared: dict = {}
     out: list[Boundary] = []
-    basis = None
     for b in range(num_stages - 1):
         compressed = not cfg.masked or b in cfg.masked
         if cfg.kind == "identity" or not compressed:
             out.append(Boundary(b, hidden_size, wire_dtype))
-        elif cfg.kind == "mask":
-            out.append(MaskBoundary(b, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype, cfg.p_warmup))
-        elif cfg.kind == "topk":
-            out.append(TopKBoundary(b, hidden_size, cfg.p, wire_dtype))
-        elif cfg.kind in ("quant4", "quant2", "aqsgd"):
-            cls = AqsgdBoundary if cfg.kind == "aqsgd" else QuantBoundary
-            out.append(cls(b, hidden_size, *cfg.bits(), cfg.quant_group, wire_dtype))
-        elif cfg.kind == "tahquant":
-            out.append(TahQuantBoundary(b, hidden_size, *cfg.bits(), cfg.quant_group, cfg.tah_high_fraction,
-                                        cfg.tah_outlier_ratio, wire_dtype))
-        elif cfg.kind == "bottleneck":
-            out.append(BottleneckBoundary(b, hidden_size, cfg.p, seed, wire_dtype))
-        elif cfg.kind == "ssn":
-            if basis is None:
-                basis = SubspaceBasis(hidden_size, cfg.rank, seed)
-                token_fixed = model.get_input_embeddings().weight.detach().float().clone()
-            out.append(SsnBoundary(b, hidden_size, basis, token_fixed, wire_dtype))
-        elif cfg.kind in ("mapl", "mapl-vq"):
-            emb = model.get_input_embeddings().weight
-            args = (b, hidden_size, cfg.rank, emb.shape[0], emb, seed)
-            kw = dict(anchor=cfg.anchor, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype)
-            if cfg.kind == "mapl":
-                out.append(MaplBoundary(*args, **kw))
-            else:
-                out.append(MaplVQBoundary(*args, **kw, codes=cfg.vq_codes, rounds=cfg.vq_rounds,
-                                          group_size=cfg.vq_group_size, sync_codes=cfg.vq_sync_codes,
-                                          decay=cfg.vq_decay))
         else:
-            raise ValueError(f"unknown boundary kind {cfg.kind!r}")
+            out.append(builders[cfg.kind](cfg, b, hidden_size, seed, wire_dtype, model, shared))
     return out

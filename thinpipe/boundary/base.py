@@ -13,28 +13,28 @@ A boundary sits between stage s (sender) and stage s+1 (receiver)::
 carries exactly their K gradients), for a dense boundary the activation itself. In-graph
 compressors put their structure in encode/lift; off-graph ones (quantisers) in the payload
 packing. Nothing else in the library touches the wire format.
+
+Learned and stateful kinds extend the contract with hooks (defaults: nothing to do), so that no
+engine ever knows a kind by name (docs/architecture.md, "The boundary contract"):
+  shared parameters   one end owns them, the other computes with a copy: receiver_param_grads ->
+                      owner_absorb_grads after the backward, owner_params -> receiver_load_params
+                      after the optimizer step (MAPL's projector); bytes on ``pp_params``
+  residual_offset     the token-deterministic part of the sender's activation the boundary does not
+                      send (MAPL's offset, SSN's fixed embedding): what analysis subtracts
+  subspace            the (d, r) orthonormal basis the boundary sends in, for analysis
+  residual start      wants_residual_init / init_from_residuals / load_init: a data-driven start
+                      from the residuals the boundary will see (MAPL's PCA start)
+  stage_state         a ``StageState`` shared by every boundary of a replica and held by every stage,
+                      with a per-step hook and a periodic refresh phase that the ranks run over the
+                      wire (SSN's basis and its Grassmann refresh); bytes on ``pp_params``
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-
-@dataclass
-class Payload:
-    """What crosses a link: named tensors. Its size on the wire is the sum of their bytes."""
-
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def spec(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {k: (tuple(t.shape), t.dtype) for k, t in self.tensors.items()}
+from thinpipe.comm.payload import Payload
 
 
 class Boundary(nn.Module):
@@ -88,6 +88,33 @@ class Boundary(nn.Module):
     def receiver_load_params(self, payload: Payload) -> None:
         raise NotImplementedError
 
+    # learned / stateful kinds (see the module docstring) ---------------------------------------
+    stage_state: StageState | None = None
+
+    def residual_offset(self, ids: torch.Tensor) -> torch.Tensor | None:
+        """(B, T, d): the part of the sender's activation that is a function of the tokens alone and
+        is not sent; None: the boundary has none (analysis then subtracts the token embedding)."""
+        return None
+
+    def subspace(self) -> torch.Tensor | None:
+        """The (d, r) orthonormal basis payloads are expressed in (for analysis); None: none."""
+        return None
+
+    @property
+    def wants_residual_init(self) -> bool:
+        """True: before training, the engine runs the data through the pipeline up to this boundary
+        and calls ``init_from_residuals`` on its sender, then ``load_init`` on every copy."""
+        return False
+
+    def init_from_residuals(self, residuals: torch.Tensor) -> Payload:
+        """Sender, replica 0: the start computed from the (tokens, d) residuals at this boundary
+        (activation minus ``residual_offset``), as the payload every copy loads."""
+        raise NotImplementedError
+
+    def load_init(self, payload: Payload) -> None:
+        """Every copy of this boundary (both ends, every replica) loads the start."""
+        raise NotImplementedError
+
     # accounting ---------------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         """State the boundary keeps beyond parameters (AQ-SGD's per-example buffers), both ends."""
@@ -101,3 +128,40 @@ class Boundary(nn.Module):
         """(forward, backward) payload bytes for ``tokens`` tokens: the formula tests check against."""
         n = tokens * self.hidden_size * element_size
         return n, n
+
+
+class StageState:
+    """State that every boundary of a replica shares and every stage holds a copy of (the SSN basis).
+
+    The rank calls ``before_step`` before its forward, ``after_step`` after its optimizer step on a
+    step without a refresh, and on a step where ``refresh_due``, the refresh phase
+    (``engine/rank.py: StageRank.refresh``): every stage's ``contribution`` is summed up the
+    pipeline (``combine``: later stages' sum, then this stage's), stage 0 averages it over the DP
+    replicas and computes the new state (``update``), which travels back down; every stage
+    ``apply``s it. Every message is a real payload on ``pp_params``. The object may be shared by
+    several ranks (the simulation holds one per replica): every method is idempotent per step.
+    """
+
+    def before_step(self, step: int) -> None:
+        pass
+
+    def after_step(self, stage) -> None:
+        pass
+
+    def refresh_due(self, step: int) -> bool:
+        return False
+
+    def contribution(self, in_boundary, out_boundary) -> Payload:
+        """This stage's part of the refresh input (from its uses of the state at its two ends)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def combine(later: Payload, mine: Payload) -> Payload:
+        return Payload({k: later.tensors[k] + v for k, v in mine.tensors.items()})
+
+    def update(self, total: Payload) -> Payload:
+        """Stage 0, after the DP average: the refreshed state."""
+        raise NotImplementedError
+
+    def apply(self, payload: Payload, stage) -> None:
+        raise NotImplementedError

@@ -80,7 +80,7 @@ class MaplBoundary(Boundary):
 
     def __init__(self, index: int, hidden_size: int, rank: int, vocab_size: int, token_embedding: torch.Tensor,
                  seed: int, anchor: str = "factorized", trainable: bool = True,
-                 wire_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, pca_start: bool = False):
         super().__init__(index, hidden_size, wire_dtype)
         if not 1 <= rank <= hidden_size:
             raise ValueError(f"boundary.rank must be in [1, {hidden_size}], got {rank}")
@@ -90,6 +90,7 @@ class MaplBoundary(Boundary):
         self.anchor = StageAnchor(anchor, token_embedding, rank, gen)  # the receiving stage's anchor
         self.A_copy = self.projector.A.detach().clone().requires_grad_(trainable)  # receiver's copy
         self.sender_offset = None  # set by attach(): the sender stage's embedding or anchor
+        self.pca_start = pca_start  # boundary.init = pca: the data-driven start (``init_from_residuals``)
 
     # wiring ----------------------------------------------------------------------------------------
     def attach(self, sender, receiver) -> None:
@@ -98,6 +99,30 @@ class MaplBoundary(Boundary):
         sender.boundary_modules["out_projector"] = self.projector
         receiver.boundary_modules["in_anchor"] = self.anchor
         self.sender_offset = sender.embed_tokens if sender.is_first else sender.boundary_modules["in_anchor"]
+
+    # analysis and the PCA start (boundary contract hooks) ---------------------------------------
+    def residual_offset(self, ids):
+        offset = self.sender_offset(ids)
+        return torch.zeros(()) if offset is None else offset  # X - E[ids] (or the sender's anchor), MAPL Fig. 3
+
+    def subspace(self):
+        return self.projector.A.detach()
+
+    @property
+    def wants_residual_init(self) -> bool:
+        return self.pca_start
+
+    @torch.no_grad()
+    def init_from_residuals(self, residuals: torch.Tensor) -> Payload:
+        """The data-driven start: A_p = the top-r right singular vectors of the residuals it will see."""
+        _, _, Vh = torch.linalg.svd(residuals.double(), full_matrices=False)
+        return Payload({"A": Vh[:self.rank].T.to(self.projector.A.dtype)})
+
+    @torch.no_grad()
+    def load_init(self, payload: Payload) -> None:
+        A = payload.tensors["A"]
+        self.projector.A.copy_(A)
+        self.receiver_load_params(self.owner_params() or Payload({"A": A}))
 
     # sender -------------------------------------------------------------------------------------
     def encode(self, x, ctx):

@@ -37,10 +37,10 @@ class MaplVQBoundary(MaplBoundary):
     def _pack(self, vq: StreamingCodebook, t: torch.Tensor, training: bool) -> Payload:
         u, scale = _unit_rms(t)
         codes, slice_ = vq.sender_encode(u, learn=training, sync=training)
-        wire = self.wire_dtype or torch.float32
-        tensors = {"codes": codes.to(code_dtype(self.codes)), "scale": scale.squeeze(-1).to(wire)}
+        value_dtype = self.wire_dtype or torch.float32
+        tensors = {"codes": codes.to(code_dtype(self.codes)), "scale": scale.squeeze(-1).to(value_dtype)}
         if slice_ is not None:
-            tensors["codebook"] = slice_.to(wire)
+            tensors["codebook"] = slice_.to(value_dtype)
         return Payload(tensors)
 
     def _unpack(self, vq: StreamingCodebook, payload: Payload, ctx) -> torch.Tensor:

@@ -16,9 +16,11 @@ no additive positional term to subtract.
 
 Grassmann refresh: every ``refresh_every`` steps, U_k moves along the horizontal part of dL/dU_k
 (summed over all boundaries, averaged over DP replicas) and is re-orthonormalised
-(``grassmann_step``); the weights are then re-confined to the new subspace. In a real mesh each
-stage holds a copy of U_k; the refresh costs (P - 1) gradient contributions up and (P - 1) copies
-down, d x k fp32 each, counted on ``pp_params``.
+(``grassmann_step``); the weights are then re-confined to the new subspace. Each stage holds a
+copy of U_k (``SubspaceBasis`` is the boundary contract's ``StageState``): on a refresh step every
+use of U_k (a boundary's sender or receiver end) computes with its own leaf, so each stage knows
+its own part of dL/dU_k; the parts are summed up the pipeline, (P - 1) messages, and the new basis
+comes back down, (P - 1) messages, d x k fp32 each, counted on ``pp_params`` by the transport.
 """
 
 from __future__ import annotations
@@ -26,19 +28,60 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, StageState
 from thinpipe.boundary.mapl import id_dtype
-from thinpipe.optim.stiefel import orthonormal
+from thinpipe.optim.stiefel import grassmann_step, orthonormal
 
 CONFINED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 
 
-class SubspaceBasis(nn.Module):
-    """The shared U_k (a buffer: no optimizer touches it; the Grassmann refresh replaces it)."""
+class SubspaceBasis(nn.Module, StageState):
+    """The shared U_k (a buffer: no optimizer touches it; the Grassmann refresh replaces it) and the
+    weights' confinement to it, as the contract's stage state."""
 
-    def __init__(self, hidden_size: int, rank: int, seed: int):
+    def __init__(self, hidden_size: int, rank: int, seed: int, token_fixed: torch.Tensor, refresh_every: int = 0,
+                 refresh_lr: float = 0.0):
         super().__init__()
         self.register_buffer("U", orthonormal(hidden_size, rank, torch.Generator().manual_seed(seed * 7919 + 1)))
+        self.token_fixed = token_fixed
+        self.refresh_every, self.refresh_lr = refresh_every, refresh_lr
+        self._leaves: dict[tuple[str, int], torch.Tensor] | None = None  # armed: one leaf per use
+
+    def use(self, end: str, index: int) -> torch.Tensor:
+        """U_k as boundary ``index``'s ``end`` ("send" / "recv") computes with it."""
+        if self._leaves is None:
+            return self.U
+        return self._leaves.setdefault((end, index), self.U.detach().clone().requires_grad_(True))
+
+    # StageState ---------------------------------------------------------------------------------
+    def refresh_due(self, step: int) -> bool:
+        return self.refresh_every > 0 and (step + 1) % self.refresh_every == 0
+
+    def before_step(self, step: int) -> None:
+        if self.refresh_due(step) and self._leaves is None:
+            self._leaves = {}
+
+    def after_step(self, stage) -> None:
+        confine([stage], self.U, self.token_fixed)
+
+    def contribution(self, in_boundary, out_boundary) -> Payload:
+        g = torch.zeros_like(self.U)
+        keys = ([("send", out_boundary.index)] if out_boundary is not None else []) + \
+               ([("recv", in_boundary.index)] if in_boundary is not None else [])
+        for key in keys:
+            leaf = (self._leaves or {}).get(key)
+            if leaf is not None and leaf.grad is not None:
+                g = g + leaf.grad
+        return Payload({"U": g})
+
+    def update(self, total: Payload) -> Payload:
+        with torch.no_grad():
+            return Payload({"U": grassmann_step(self.U.detach(), total.tensors["U"], self.refresh_lr)})
+
+    def apply(self, payload: Payload, stage) -> None:
+        self._leaves = None
+        self.U = payload.tensors["U"].clone()
+        confine([stage], self.U, self.token_fixed)
 
 
 class SsnBoundary(Boundary):
@@ -52,19 +95,29 @@ class SsnBoundary(Boundary):
         self.token_fixed = token_fixed  # (V, d), frozen, shared by all boundaries of a replica
         self.rank = basis.U.shape[1]
 
+    @property
+    def stage_state(self) -> SubspaceBasis:
+        return self.basis
+
     def attach(self, sender, receiver) -> None:
         if sender.is_first:  # stage 0 owns the basis (it is checkpointed there)
             sender.boundary_modules["ssn_basis"] = self.basis
 
+    def residual_offset(self, ids):
+        return self.token_fixed[ids]
+
+    def subspace(self):
+        return self.basis.U.detach()
+
     def encode(self, x, ctx):
-        z = (x - self.token_fixed[ctx.input_ids]) @ self.basis.U
+        z = (x - self.token_fixed[ctx.input_ids]) @ self.basis.use("send", self.index)
         return z, Payload({"z": self._to_wire(z), "ids": ctx.input_ids.to(id_dtype(self.token_fixed.shape[0]))})
 
     def decode(self, payload, ctx):
         return payload.tensors["z"]
 
     def lift(self, z_hat, payload, ctx):
-        return z_hat @ self.basis.U.T + self.token_fixed[payload.tensors["ids"].long()]
+        return z_hat @ self.basis.use("recv", self.index).T + self.token_fixed[payload.tensors["ids"].long()]
 
     def expected_bytes(self, tokens, element_size):
         ids = tokens * torch.empty(0, dtype=id_dtype(self.token_fixed.shape[0])).element_size()

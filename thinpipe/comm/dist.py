@@ -1,9 +1,9 @@
 """Point-to-point payload transport over torch.distributed (gloo; CPU tensors).
 
 The same ``send(tag, payload, axis)`` / ``recv(tag)`` interface as the in-process ``Mailbox``, so
-a stage worker runs unchanged; ``route(tag)`` names the peer rank of a tag and ``channel(tag)``
-its message kind (forward activation, backward gradient, parameter sync), which becomes the
-torch.distributed tag so that the kinds never cross. Each message is the header of ``wire.py`` then
+a stage worker runs unchanged; a tag (``tags.py``) names its peer rank (the other end of its link
+in the mesh layout) and its channel (forward activation, backward gradient, parameter sync, ...),
+which becomes the torch.distributed tag so that the kinds never cross; any other tag is refused. Each message is the header of ``header.py`` then
 every tensor as raw bytes (any dtype crosses bit-exactly, integer payloads included). Sends are
 asynchronous (``isend``): a stage never deadlocks against a neighbour that is sending to it at the
 same time (1F1B); ``flush()`` waits for them. Bytes are metered per axis from the payload, as in the
@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from thinpipe.boundary.base import Payload
+from thinpipe.comm.payload import Payload
 from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import DueQueue, ShapedLink
-from thinpipe.comm.wire import HEADER_BYTES, HEADER_SLOTS, decode_header, encode_header
+from thinpipe.comm.tags import Tag, check_tag
+from thinpipe.comm.header import HEADER_BYTES, HEADER_SLOTS, decode_header, encode_header
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -38,13 +39,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class DistTransport:
-    def __init__(self, route: Callable[[Hashable], int], channel: Callable[[Hashable], int], meter: ByteMeter,
+    def __init__(self, layout, me: int, meter: ByteMeter,
                  link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None,
                  background: bool = False):
         """``background``: every send goes through the sender thread, which also waits for it to
         complete, so ``idle()`` can tell without blocking whether anything is still on its way
         (gloo's ``Work.is_completed`` never turns true for point-to-point operations)."""
-        self.route, self.channel, self.meter = route, channel, meter
+        self.layout, self.me, self.meter = layout, me, meter
         self.link_for = link_for or (lambda axis, peer: None)
         self.group = group
         self.background = background
@@ -67,10 +68,14 @@ class DistTransport:
             for work, _ in pending:
                 work.wait()
 
-    def send(self, tag: Hashable, payload: Payload, axis: str | None, metered: int | None = None) -> None:
+    def _route(self, tag: Tag) -> tuple[int, int]:
+        check_tag(tag)
+        return tag.peer(self.layout, self.me), tag.CHANNEL
+
+    def send(self, tag: Tag, payload: Payload, axis: str | None, metered: int | None = None) -> None:
         """``metered``: the bytes to count on ``axis`` when part of the payload is protocol (a step
         number, say) rather than data the simulation counts; None = the whole payload."""
-        peer, ch = self.route(tag), self.channel(tag)
+        peer, ch = self._route(tag)
         parts = [encode_header(payload)] + [_as_bytes(t) for t in payload.tensors.values()]
         link = self.link_for(axis, peer)
         if link is None and not self.background:
@@ -84,8 +89,8 @@ class DistTransport:
             self.meter.add(axis, payload.nbytes if metered is None else metered)
         self.header_bytes += HEADER_BYTES
 
-    def recv(self, tag: Hashable) -> Payload:
-        peer, ch = self.route(tag), self.channel(tag)
+    def recv(self, tag: Tag) -> Payload:
+        peer, ch = self._route(tag)
         header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
         dist.recv(header, peer, group=self.group, tag=ch)
         tensors = {}
@@ -119,3 +124,24 @@ class DistTransport:
         on it when the process group is destroyed."""
         if self._sender is not None:
             self._sender.close()
+
+
+def broadcast_payload(payload: Payload | None, src: int, group) -> Payload:
+    """``src``'s payload on every member of ``group``, as header + raw bytes (no pickle): the
+    receivers allocate what the validated header describes."""
+    me = dist.get_rank()
+    header = encode_header(payload) if me == src else torch.empty(HEADER_SLOTS, dtype=torch.int64)
+    dist.broadcast(header, src, group=group)
+    tensors = {}
+    for i, (name, dtype, shape) in enumerate(decode_header(header)):
+        if me == src:
+            raw = _as_bytes(payload.tensors[name]).clone()
+        else:
+            n = 1
+            for d in shape:
+                n *= d
+            raw = torch.empty(n * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
+        dist.broadcast(raw, src, group=group)
+        t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
+        tensors[name] = t.reshape(shape)
+    return Payload(tensors)

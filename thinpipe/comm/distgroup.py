@@ -2,7 +2,8 @@
 
 ``all_reduce(rank, tensor) -> Work`` posts an asynchronous sum (the caller waits when it needs the
 result, so a rank can overlap it with compute); ``all_gather`` returns every member's tensor in
-group order (members may hold tensors of different sizes: gathered as objects). Bytes are metered
+group order (members may hold 1-d tensors of different lengths: gathered padded to the longest,
+as tensors, never as pickled objects). Bytes are metered
 with the same ring formulas as ``InProcessGroup`` so the two engines report the same totals;
 ``axis`` None is a control group (not metered).
 
@@ -71,6 +72,17 @@ class DistGroup:
             self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
         if self.size == 1:
             return _Done(), [tensor.clone()]
-        out: list = [None] * self.size
-        dist.all_gather_object(out, tensor.detach().cpu(), group=self.group)
-        return _Done(), out
+        return _Done(), gather_1d(tensor, self.size, self.group)
+
+
+def gather_1d(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
+    """Every member's 1-d ``tensor`` (same dtype, any length), in group order, as tensors only."""
+    flat = tensor.detach().reshape(-1)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([flat.numel()]), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(longest, dtype=flat.dtype)
+    padded[:flat.numel()] = flat
+    parts = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(parts, padded, group=group)
+    return [p[:int(n)].clone() for p, n in zip(parts, lengths)]

@@ -8,11 +8,10 @@ A member that waits before all have posted is a schedule bug and raises, instead
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.comm.payload import Payload
+from thinpipe.comm.tags import Tag, check_tag
 from thinpipe.comm.meter import ByteMeter
 
 
@@ -95,19 +94,25 @@ class Mailbox:
 
     def __init__(self, meter: ByteMeter):
         self.meter = meter
-        self._box: dict[Hashable, Payload] = {}
+        self._box: dict[Tag, Payload] = {}
 
-    def send(self, tag: Hashable, payload: Payload, axis: str) -> None:
+    def send(self, tag: Tag, payload: Payload, axis: str | None) -> None:
+        check_tag(tag)
         if tag in self._box:
             raise RuntimeError(f"payload {tag} sent twice")
-        self.meter.add(axis, payload.nbytes)
+        if axis is not None:
+            self.meter.add(axis, payload.nbytes)
         self._box[tag] = payload
 
-    def recv(self, tag: Hashable) -> Payload:
+    def recv(self, tag: Tag) -> Payload:
+        check_tag(tag)
         try:
             return self._box.pop(tag)
         except KeyError:
             raise RuntimeError(f"payload {tag} received before it was sent (schedule bug)") from None
+
+    def flush(self) -> None:
+        """Every send is delivered at once (the real transport's flush waits for its sends)."""
 
 
 def drive_lockstep(gens) -> None:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from thinpipe.engine.log import say
+from thinpipe.log import say
 
 
 @dataclass
@@ -121,3 +121,29 @@ class DueQueue:
                 with self._cv:
                     self._unfinished -= 1
                     self._cv.notify_all()
+
+
+PP_AXES = ("pp_fwd", "pp_bwd", "pp_params", "tied")
+
+
+class MeshLinks:
+    """A rank's outgoing links: one per peer on the PP axes (shared by everything it sends that peer),
+    one per peer on the anchor's pull and push links (they cross between rows: shaped like DP links).
+    With kernel shaping (``thinpipe launch --netns``) tc enforces the rates; only the latency stays."""
+
+    def __init__(self, lk):
+        """``lk``: the config's ``link`` section."""
+        self.pp_mbps, self.dp_mbps = (0.0, 0.0) if lk.shaper == "kernel" else (lk.pp_mbps, lk.dp_mbps)
+        self.pp_latency_ms, self.dp_latency_ms = lk.pp_latency_ms, lk.dp_latency_ms
+        self._pp: dict[int, ShapedLink] = {}
+        self._anchor: dict[int, ShapedLink] = {}
+
+    def pp(self, axis: str | None, peer: int) -> ShapedLink | None:
+        if axis in PP_AXES and (self.pp_mbps or self.pp_latency_ms):
+            return self._pp.setdefault(peer, ShapedLink(self.pp_mbps, self.pp_latency_ms))
+        return None
+
+    def anchor(self, axis: str | None, peer: int) -> ShapedLink | None:
+        if self.dp_mbps or self.dp_latency_ms:
+            return self._anchor.setdefault(peer, ShapedLink(self.dp_mbps, self.dp_latency_ms))
+        return None

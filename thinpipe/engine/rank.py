@@ -7,13 +7,17 @@ generator yielding a ``Work`` whenever it has posted something others must take 
 single-process simulation advances every rank's phase in lockstep (``drive_lockstep``), a real
 process runs its own phase to the end, waiting on each ``Work``. The math is identical either way.
 
-Phase order per step (after the pipeline's forward/backward):
+Phase order per step (``begin_step`` before the pipeline's forward/backward; ``phases`` after it):
   exchange_boundary_grads  receivers return dL/d(shared boundary params) to their owners
   dp_sync                  per-step gradient averaging (all-reduce / PowerSGD) in the stage's DP group
   tied_sync                first and last stage exchange the tied-embedding gradients, both apply the sum
   clip_and_step            global-norm clip over the replica's stages, anchor priors, optimizer step
   outer_steps              DiLoCo outer step / Streaming DiLoCo fragment posts and finishes
   broadcast_boundary_params owners send the updated shared boundary params to the other end
+  refresh_up / _average / _down   a boundary stage state's periodic refresh (the SSN basis), or its
+                           per-step hook (``StageState`` in boundary/base.py)
+
+Every message is tagged with a typed tag (``comm/tags.py``); nothing here knows a boundary kind.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from collections.abc import Generator
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.comm.payload import Payload
+from thinpipe.comm.tags import ParamGrads, Params, RefreshDown, RefreshUp, TiedGrad
 from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
 from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
 from thinpipe.engine.worker import StageWorker
@@ -49,6 +54,10 @@ class StageRank:
         self.cfg, self.stage, self.replica, self.index = cfg, stage, replica, stage.index
         self.in_boundary, self.out_boundary = in_boundary, out_boundary
         self.transport, self.dp_group, self.pp_group = transport, dp_group, pp_group
+        ends = [b for b in (in_boundary, out_boundary) if b is not None]
+        self.stage_state = ends[0].stage_state if ends else None
+        if self.stage_state is not None:
+            self.stage_state.after_step(stage)  # the invariant holds from the start (before any copy is taken)
         self.worker = StageWorker(stage, replica, in_boundary, out_boundary, transport, compute_dtype)
         self.optimizer = build_stage_optimizer(stage, cfg, self.index)
         d, t = cfg.dp, cfg.train
@@ -61,12 +70,19 @@ class StageRank:
         # Posted fragment syncs: (apply step, fragment, deltas, generator, its posted Work)
         self.in_flight: list[tuple[int, int, dict, Generator, object]] = []
         self.tied_param = self._tied_param()
+        self._refresh_total: Payload | None = None  # stage 0, during a refresh: the summed contributions
         self.last_grad_norm = 0.0
 
     def trained(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of what trains: DiLoCo's global copy and outer syncs cover only these
         (with LoRA, the adapters; a frozen base never moves, so syncing it would send zeros)."""
         return [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
+
+    def trainable_count(self) -> int:
+        """Parameters that train on this stage, a tied matrix's second copy (the last stage's) not
+        counted again: summed over a replica's stages, the model's trainable parameters."""
+        n = sum(p.numel() for p in self.stage.parameters() if p.requires_grad)
+        return n - (self.tied_param.numel() if self.tied_param is not None and self.stage.is_last else 0)
 
     def _tied_param(self):
         """The tied matrix this stage holds a copy of, when the first and last stage differ (and it
@@ -78,13 +94,25 @@ class StageRank:
         return p if p is not None and p.requires_grad else None
 
     # -------------------------------------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        """Before this step's forward."""
+        if self.stage_state is not None:
+            self.stage_state.before_step(step)
+
+    def phases(self, step: int, lr: float, prior_grads: list[dict], mix: float) -> list[Generator]:
+        """This rank's phases of step ``step`` after its pipeline schedule, in order (module docstring).
+        An engine runs the i-th phase of every rank before any rank's (i+1)-th."""
+        return [self.exchange_boundary_grads(), self.dp_sync(), self.tied_sync(),
+                self.clip_and_step(lr, prior_grads, mix), self.outer_steps(step), self.broadcast_boundary_params(),
+                self.refresh_up(step), self.refresh_average(step), self.refresh_down(step)]
+
     def exchange_boundary_grads(self) -> Generator:
         if self.in_boundary is not None and self.in_boundary.has_shared_params:
-            self.transport.send((self.replica, "dparams", self.in_boundary.index),
+            self.transport.send(ParamGrads(self.replica, self.in_boundary.index),
                                 self.in_boundary.receiver_param_grads(), "pp_params")
         yield DONE
         if self.out_boundary is not None and self.out_boundary.has_shared_params:
-            self.out_boundary.owner_absorb_grads(self.transport.recv((self.replica, "dparams", self.out_boundary.index)))
+            self.out_boundary.owner_absorb_grads(self.transport.recv(ParamGrads(self.replica, self.out_boundary.index)))
 
     def dp_sync(self) -> Generator:
         d, world = self.cfg.dp, self.cfg.mesh.dp
@@ -101,10 +129,10 @@ class StageRank:
         if p is None:
             return
         # tags name the receiving end, so the two messages of the exchange stay distinct
-        to_peer, to_me = ("last", "first") if self.stage.is_first else ("first", "last")
-        self.transport.send((self.replica, "tied", to_peer), Payload({"g": p.grad.detach().clone()}), "tied")
+        first = self.stage.is_first
+        self.transport.send(TiedGrad(self.replica, to_first=not first), Payload({"g": p.grad.detach().clone()}), "tied")
         yield DONE
-        other = self.transport.recv((self.replica, "tied", to_me)).tensors["g"]
+        other = self.transport.recv(TiedGrad(self.replica, to_first=first)).tensors["g"]
         # The same sum on both ends (embedding's + head's), so the two copies stay equal bitwise.
         total = p.grad + other if self.stage.is_first else other + p.grad
         p.grad.copy_(total)
@@ -167,11 +195,53 @@ class StageRank:
 
     def broadcast_boundary_params(self) -> Generator:
         if self.out_boundary is not None and self.out_boundary.has_shared_params:
-            self.transport.send((self.replica, "params", self.out_boundary.index),
-                                self.out_boundary.owner_params(), "pp_params")
+            self.transport.send(Params(self.replica, self.out_boundary.index), self.out_boundary.owner_params(),
+                                "pp_params")
         yield DONE
         if self.in_boundary is not None and self.in_boundary.has_shared_params:
-            self.in_boundary.receiver_load_params(self.transport.recv((self.replica, "params", self.in_boundary.index)))
+            self.in_boundary.receiver_load_params(self.transport.recv(Params(self.replica, self.in_boundary.index)))
+
+    # a boundary stage state's refresh (boundary/base.py: StageState) ------------------------------
+    def _refreshing(self, step: int) -> bool:
+        return self.stage_state is not None and self.stage_state.refresh_due(step)
+
+    def refresh_up(self, step: int) -> Generator:
+        """Contributions summed up the pipeline, one stage per round (last stage first), so that
+        every rank of a replica takes part in the same number of rounds."""
+        if not self._refreshing(step):
+            return
+        state, s, last = self.stage_state, self.index, self.stage.num_stages - 1
+        mine = state.contribution(self.in_boundary, self.out_boundary)
+        for turn in range(last, -1, -1):
+            if turn == s:
+                total = state.combine(self.transport.recv(RefreshUp(self.replica, s)), mine) if s < last else mine
+                if s > 0:
+                    self.transport.send(RefreshUp(self.replica, s - 1), total, "pp_params")
+                else:
+                    self._refresh_total = total
+            yield DONE
+
+    def refresh_average(self, step: int) -> Generator:
+        """Stage 0: the sum's mean over the DP replicas."""
+        if self._refreshing(step) and self.index == 0 and self.cfg.mesh.dp > 1:
+            yield from allreduce_average(self._refresh_total.tensors, self.dp_group, self.replica, self.cfg.mesh.dp)
+
+    def refresh_down(self, step: int) -> Generator:
+        """Stage 0 computes the new state; it travels down; every stage applies it. Without a
+        refresh: the state's per-step hook."""
+        if not self._refreshing(step):
+            if self.stage_state is not None:
+                self.stage_state.after_step(self.stage)
+            return
+        state, s = self.stage_state, self.index
+        for turn in range(self.stage.num_stages):
+            if turn == s:
+                new = state.update(self._refresh_total) if s == 0 else self.transport.recv(RefreshDown(self.replica, s - 1))
+                if s < self.stage.num_stages - 1:
+                    self.transport.send(RefreshDown(self.replica, s), new, "pp_params")
+                state.apply(new, self.stage)
+            yield DONE
+        self._refresh_total = None
 
     # -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

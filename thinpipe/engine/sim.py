@@ -16,27 +16,19 @@ from __future__ import annotations
 import torch
 
 from thinpipe.anchor import SimAnchorCircuit
-from thinpipe.boundary import Payload, build_boundaries
+from thinpipe.boundary import build_boundaries
 from thinpipe.boundary.link import through
-from thinpipe.boundary.ssn import confine
 from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
-from thinpipe.dp import allreduce_average
-from thinpipe.engine.context import make_contexts
+from thinpipe.engine.context import MicrobatchContext, make_contexts, positions_and_mask
 from thinpipe.engine.diagnostics import gradient_diagnostics
 from thinpipe.engine.rank import StageRank
+from thinpipe.engine.passes import residual_pass, residual_start_boundaries
 from thinpipe.engine.schedule import SCHEDULES, serial_order
+from thinpipe.engine.setup import DTYPES, lr_at, wire_dtype
 from thinpipe.models.stages import Stage, build_stages, tied_pair
-from thinpipe.optim import cosine_with_warmup
-from thinpipe.optim.stiefel import grassmann_step
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def wire_dtype(cfg: Config) -> torch.dtype | None:
-    """The dtype activations and their gradients travel in (None: as computed, i.e. fp32)."""
-    name = cfg.train.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype
-    return None if name == "float32" else DTYPES[name]
+__all__ = ["DTYPES", "SimMesh", "wire_dtype"]
 
 
 class SimMesh:
@@ -44,7 +36,7 @@ class SimMesh:
         self.cfg = cfg
         t, m = cfg.train, cfg.mesh
         self.compute_dtype = DTYPES[t.dtype]
-        wire = wire_dtype(cfg)
+        on_wire = wire_dtype(cfg)
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
         hidden = model.config.hidden_size
@@ -52,15 +44,12 @@ class SimMesh:
         # this process). Learned kinds register their parameters on the stage that owns them; the
         # other end computes with a copy that is synced over the wire (``sync_boundary_*``).
         self.replicas: list[list[Stage]] = [build_stages(model, m.split or None, m.pp) for _ in range(m.dp)]
-        self.replica_boundaries = [build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire, model)
+        self.replica_boundaries = [build_boundaries(cfg.boundary, m.pp, hidden, t.seed, on_wire, model)
                                    for _ in range(m.dp)]
         for stages, bounds in zip(self.replicas, self.replica_boundaries):
             for b in bounds:
                 b.attach(stages[b.index], stages[b.index + 1])
         self.boundaries = self.replica_boundaries[0]
-        self.ssn = cfg.boundary.kind == "ssn" and m.pp > 1
-        if self.ssn:
-            self.confine_all()
         # One rank per (replica, stage), exactly what a process of the real mesh runs; the groups
         # and the mailbox are their in-process transport. Each stage has one DP group (metered on
         # ``dp``); each replica one PP control group (the clip's gradient norms, not metered).
@@ -76,7 +65,7 @@ class SimMesh:
         self.diloco = [[rk.diloco for rk in row] for row in self.ranks] if self.ranks[0][0].diloco else None
         self.streaming = [[rk.streaming for rk in row] for row in self.ranks] if self.ranks[0][0].streaming else None
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
-        self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, wire, self.compute_dtype,
+        self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, on_wire, self.compute_dtype,
                                         replica_tag=m.dp) if m.anchor else None)
         self.priors_consumed = 0
         self.last_diagnostics: dict | None = None
@@ -92,75 +81,27 @@ class SimMesh:
         drive_lockstep(make(rk) for rk in self.all_ranks())
 
     @torch.no_grad()
-    def boundary_residuals(self, batches: list[dict], replica: int = 0) -> list[torch.Tensor]:
-        """Per boundary, the sender's activation minus its token offset, (tokens, d), on ``batches``
-        run through the model as it trains (through architectural boundaries, dense otherwise).
-        The offset is the boundary's own (MAPL anchor / SSN fixed embedding), else the token
-        embedding (MAPL Fig. 3's X - E[ids])."""
-        stages, bounds = self.replicas[replica], self.replica_boundaries[replica]
-        out = [[] for _ in bounds]
-        for batch in batches:
-            ctx = make_contexts(batch, 1, self.step_index, replica)[0]
-            x = ctx.input_ids
-            for s, st in enumerate(stages[:-1]):
-                x = st(x, ctx)
-                b = bounds[s]
-                off = self._offset(b, stages, ctx)
-                out[s].append((x - off).reshape(-1, x.shape[-1]).float())
-                if b.architectural:
-                    x = through(b, x, ctx)
-        return [torch.cat(o) for o in out]
+    def boundary_residuals(self, batches: list[dict]) -> list[torch.Tensor]:
+        """Per boundary, replica 0's (tokens, d) residuals on ``batches`` (``engine/residuals.py``)."""
+        out: dict[int, list[torch.Tensor]] = {}
+        self._residual_phase(batches, set(range(len(self.boundaries))), out)
+        return [torch.cat(out[b.index]) for b in self.boundaries]
 
-    @staticmethod
-    def _offset(b, stages, ctx) -> torch.Tensor:
-        if getattr(b, "sender_offset", None) is not None:
-            off = b.sender_offset(ctx.input_ids)
-            return 0.0 if off is None else off
-        if getattr(b, "token_fixed", None) is not None:
-            return b.token_fixed[ctx.input_ids]
-        return stages[0].embed_tokens(ctx.input_ids)
+    def _residual_phase(self, batches: list[dict], at: set[int], out: dict) -> None:
+        embed = self.replicas[0][0].embed_tokens
+        drive_lockstep(residual_pass(rk.stage, rk.in_boundary, rk.out_boundary, self.mailbox, batches, at,
+                                     self.step_index, out, embed) for rk in self.ranks[0])
 
     @torch.no_grad()
-    def pca_start(self, batches: list[dict]) -> None:
-        """Data-driven MAPL start: boundary by boundary, A_p = the top-r right singular vectors of
-        the residuals it will see (the earlier boundaries already using their PCA projectors)."""
-        stages, bounds = self.replicas[0], self.replica_boundaries[0]
-        for p, b in enumerate(bounds):
-            res = self.boundary_residuals(batches)[p]           # recomputed: upstream projectors changed
-            _, _, Vh = torch.linalg.svd(res.double(), full_matrices=False)
-            A = Vh[:b.rank].T.to(b.projector.A.dtype)
-            for replica in self.replica_boundaries:
-                replica[p].projector.A.copy_(A)
-                replica[p].receiver_load_params(replica[p].owner_params() or Payload({"A": A}))
-
-    def confine_all(self) -> None:
-        for stages, bounds in zip(self.replicas, self.replica_boundaries):
-            confine(stages, bounds[0].basis.U, bounds[0].token_fixed)
-
-    def ssn_refresh_due(self) -> bool:
-        every = self.cfg.boundary.ssn_refresh_every
-        return self.ssn and every > 0 and (self.step_index + 1) % every == 0
-
-    def ssn_refresh(self) -> None:
-        """Grassmann step of the shared basis on this step's dL/dU (DP-averaged), then re-confine."""
-        m, b = self.cfg.mesh, self.cfg.boundary
-        bases = [bounds[0].basis for bounds in self.replica_boundaries]
-        grads = [{"U": basis.U.grad if basis.U.grad is not None else torch.zeros_like(basis.U)} for basis in bases]
-        if m.dp > 1:
-            drive_lockstep(allreduce_average(g, self.groups[0], r, m.dp) for r, g in enumerate(grads))
-        for basis, g in zip(bases, grads):
-            with torch.no_grad():
-                basis.U = grassmann_step(basis.U.detach(), g["U"], b.ssn_refresh_lr)
-        # in every replica, every other stage sends its contribution up and receives the new basis
-        # (d x k fp32 each)
-        U = bases[0].U
-        self.meter.add("pp_params", m.dp * 2 * (m.pp - 1) * U.numel() * 4)
-        self.confine_all()
-
-    # ------------------------------------------------------------------------------------------
-    def lr_at(self, step: int) -> float:
-        t = self.cfg.train
-        return t.lr * cosine_with_warmup(step, t.steps, t.warmup_ratio, t.min_lr_ratio)
+    def residual_start(self, batches: list[dict]) -> None:
+        """The residual start of the boundaries that want one (MAPL's PCA start): boundary by
+        boundary, replica 0's sender computes it and every replica's copy loads it."""
+        for p in residual_start_boundaries(self.boundaries):
+            out: dict[int, list[torch.Tensor]] = {}
+            self._residual_phase(batches, {p}, out)
+            payload = self.boundaries[p].init_from_residuals(torch.cat(out[p]))
+            for bounds in self.replica_boundaries:
+                bounds[p].load_init(payload)
 
     @torch.enable_grad()
     def forward_backward(self, batches: list[dict]) -> float:
@@ -177,6 +118,9 @@ class SimMesh:
             losses.append(sum(last.losses))
         return sum(losses) / len(losses)
 
+    def lr_at(self, step: int) -> float:
+        return lr_at(self.cfg, step)
+
     def run_anchor(self, anchor_batch: dict | None) -> None:
         if self.anchor is not None and self.anchor.starts_at(self.step_index):
             if anchor_batch is None:
@@ -184,39 +128,32 @@ class SimMesh:
             self.anchor.run_cycle(self.step_index, self.replicas[0], anchor_batch, self.cfg.mesh.dp)
 
     def sync_boundary_grads(self) -> None:
-        """Receivers return their gradient contributions to shared boundary parameters (MAPL's A_p)
-        to the owners, before DP sync and clipping see the gradients."""
+        """Receivers return their gradient contributions to shared boundary parameters to the owners
+        (the first phase of a step, alone: for tests that stop after the backward)."""
         self.phase(lambda rk: rk.exchange_boundary_grads())
 
     def sync_gradients(self) -> None:
-        """The per-step gradient syncs: DP per stage, then the tied embedding."""
+        """The per-step gradient syncs alone (DP per stage, then the tied embedding), for tests."""
         self.phase(lambda rk: rk.dp_sync())
         self.phase(lambda rk: rk.tied_sync())
 
     def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
-        refresh = self.ssn_refresh_due()
-        if refresh:
-            for bounds in self.replica_boundaries:
-                bounds[0].basis.U.requires_grad_(True)
+        """One step of every rank; returns the mean over replicas of the training loss."""
+        for rk in self.all_ranks():
+            rk.begin_step(self.step_index)
         loss = self.forward_backward(batches)
-        self.sync_boundary_grads()
+        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
+        self.priors_consumed += len(priors)
+        lr, mix = self.lr_at(self.step_index), self.cfg.anchor.mix
+        phases = [rk.phases(self.step_index, lr, [p.grads[rk.index] for p in priors], mix) for rk in self.all_ranks()]
+        drive_lockstep(ph[0] for ph in phases)        # boundary-parameter gradients reach their owners
         every = self.cfg.diag.every
         self.last_diagnostics = (gradient_diagnostics(self, batches[0])
                                  if every and self.step_index % every == 0 else None)
         self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
-        self.sync_gradients()
-        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
-        self.priors_consumed += len(priors)
-        lr, mix = self.lr_at(self.step_index), self.cfg.anchor.mix
-        self.phase(lambda rk: rk.clip_and_step(lr, [p.grads[rk.index] for p in priors], mix))
+        for i in range(1, len(phases[0])):
+            drive_lockstep(ph[i] for ph in phases)
         self.last_grad_norm = self.ranks[0][0].last_grad_norm
-        self.phase(lambda rk: rk.outer_steps(self.step_index))
-        self.phase(lambda rk: rk.broadcast_boundary_params())
-        if self.ssn:
-            if refresh:
-                self.ssn_refresh()
-            else:
-                self.confine_all()
         self.step_index += 1
         return loss
 
@@ -240,8 +177,6 @@ class SimMesh:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, replica: int = 0) -> torch.Tensor:
         """Vocabulary logits (B, T, V) of replica ``replica``'s model, through architectural
         boundaries (dense otherwise); ``attention_mask`` (B, T) marks real tokens with 1."""
-        from thinpipe.engine.context import MicrobatchContext, positions_and_mask
-
         seg = torch.where(attention_mask.bool(), 0, -1)
         pos, mask = positions_and_mask(seg)
         ctx = MicrobatchContext(self.step_index, 0, replica, input_ids, torch.full_like(input_ids, -100), pos, mask, 1.0)

@@ -1,7 +1,7 @@
 """A stage's executor: runs its F/B actions, talking to neighbours only through a transport.
 
-The same worker serves the single-process simulation (in-process mailbox) and, later, real
-processes (torch.distributed send/recv): only ``transport`` differs.
+The same worker serves the single-process simulation (in-process mailbox) and real processes
+(torch.distributed send/recv): only ``transport`` differs.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import contextlib
 import torch
 
 from thinpipe.boundary import Boundary
+from thinpipe.comm.tags import Activation, Gradient
 from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
 from thinpipe.models.stages import Stage
 
@@ -25,9 +26,6 @@ class StageWorker:
         self._saved: dict[int, dict] = {}
         self.losses: list[float] = []
 
-    def _tag(self, direction: str, boundary: Boundary, mb: int):
-        return (self.replica, direction, boundary.index, mb)
-
     def _autocast(self):
         if self.compute_dtype == torch.float32:
             return contextlib.nullcontext()
@@ -38,7 +36,7 @@ class StageWorker:
         if self.stage.is_first:
             x = ctx.input_ids
         else:
-            payload = self.transport.recv(self._tag("F", self.in_boundary, ctx.microbatch))
+            payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch))
             saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
         with self._autocast():
             out = self.stage(x, ctx)
@@ -47,15 +45,15 @@ class StageWorker:
             self.losses.append(float(out.detach()))
         else:
             saved["z"], payload = sender_forward(self.out_boundary, out, ctx)
-            self.transport.send(self._tag("F", self.out_boundary, ctx.microbatch), payload, self.fwd_axis)
+            self.transport.send(Activation(self.replica, self.out_boundary.index, ctx.microbatch), payload, self.fwd_axis)
 
     def backward(self, ctx) -> None:
         saved = self._saved.pop(ctx.microbatch)
         if self.stage.is_last:
             saved["loss"].backward()
         else:
-            payload = self.transport.recv(self._tag("B", self.out_boundary, ctx.microbatch))
+            payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch))
             sender_backward(self.out_boundary, saved["z"], payload, ctx)
         if not self.stage.is_first:
             payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)
-            self.transport.send(self._tag("B", self.in_boundary, ctx.microbatch), payload, self.bwd_axis)
+            self.transport.send(Gradient(self.replica, self.in_boundary.index, ctx.microbatch), payload, self.bwd_axis)

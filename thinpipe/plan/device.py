@@ -16,6 +16,8 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 
+from thinpipe.config import ConfigError
+
 MEASURE_TOKENS = 256
 MEASURE_REPEATS = 3
 
@@ -44,7 +46,7 @@ def device_names() -> list[str]:
 def measure_cpu(arch, dtype: str = "float32", remeasure: bool = False) -> Device:
     """This CPU's rate on one decoder layer of ``arch`` (a ``planner.Architecture``); cached
     unless ``remeasure`` (measure on an otherwise idle machine: other load lowers the rate)."""
-    import torch
+    import torch  # only when measuring: `thinpipe plan` on a data-sheet device starts without torch
 
     from thinpipe.models.loading import cache_root
 
@@ -92,8 +94,6 @@ def measure_cpu(arch, dtype: str = "float32", remeasure: bool = False) -> Device
 
 
 def resolve_device(name: str, arch, dtype: str, remeasure: bool = False) -> Device:
-    from thinpipe.config import ConfigError
-
     if name in DEVICES:
         return DEVICES[name]
     if name == "cpu":

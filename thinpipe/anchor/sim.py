@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.boundary import Boundary
-from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull, trained
+from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.dp.powersgd import PowerSGDState
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.schedule import SCHEDULES, serial_order
@@ -78,7 +78,7 @@ class SimAnchorCircuit:
     @torch.enable_grad()
     def run_cycle(self, step: int, fast_stages: list[Stage], batch: dict, fast_replicas: int) -> None:
         """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta.
-        Pull and push go through ``anchor/wire.py``, as on the real mesh."""
+        Pull and push go through ``anchor/codec.py``, as on the real mesh."""
         for mine, theirs in zip(self.stages, fast_stages):
             flat = encode_pull(trained(theirs), self.wire_dtype)
             load_pull(trained(mine), flat)

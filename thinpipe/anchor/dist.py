@@ -3,7 +3,7 @@
 Paper §3 and App. H: one anchor replica (a row of the mesh, one process per stage) repeatedly
   pulls the fast circuit's weights w_t (fast replica 0's stage s -> anchor stage s),
   runs an unmasked forward-backward on its own data shard (dense boundaries, anchor-row links),
-  pushes its gradient (dense or PowerSGD factors, ``anchor/wire.py``) to stage s of every fast replica,
+  pushes its gradient (dense or PowerSGD factors, ``anchor/codec.py``) to stage s of every fast replica,
 off the fast circuit's critical path: the fast ranks post pulls and take priors from a queue that
 a receiver thread fills, so they only ever wait in ``fixed`` delivery for a prior that is late.
 
@@ -35,12 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-from thinpipe.anchor.circuit import run_anchor_pass
-from thinpipe.anchor.wire import decode_push, encode_pull, encode_push, load_pull, trained
-from thinpipe.boundary.base import Payload
+from thinpipe.anchor.sim import run_anchor_pass
+from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.comm import AXES, ByteMeter
+from thinpipe.comm.payload import Payload
+from thinpipe.comm.tags import AnchorCycle, Pull, Push
 from thinpipe.dp.powersgd import PowerSGDState
-from thinpipe.engine.log import say
+from thinpipe.log import say
 
 STOP = -1
 
@@ -59,12 +60,12 @@ class AnchorFeed:
     """A fast rank's end of the anchor links: posts pulls (fast replica 0 only), receives pushes on
     a thread, hands priors to the optimizer step by the delivery rule."""
 
-    def __init__(self, cfg, stage, replica: int, pull_transport, push_transport, meter: ByteMeter, wire,
+    def __init__(self, cfg, stage, replica: int, pull_transport, push_transport, meter: ByteMeter, wire_dtype,
                  agree=None, wait_timeout_s: float = 600.0):
         a = cfg.anchor
         self.staleness, self.every = a.staleness, a.every or a.staleness
         self.delivery, self.push_rank = a.delivery, a.push_rank
-        self.stage, self.replica, self.meter, self.wire = stage, replica, meter, wire
+        self.stage, self.replica, self.meter, self.wire_dtype = stage, replica, meter, wire_dtype
         self.pull_transport, self.push_transport = pull_transport, push_transport
         self.agree = agree  # ``arrival``: (count) -> the count every replica of this stage has
         self.wait_timeout_s = wait_timeout_s
@@ -84,7 +85,7 @@ class AnchorFeed:
     def _receive(self) -> None:
         try:
             while True:
-                payload = self.push_transport.recv(("push", self.replica))
+                payload = self.push_transport.recv(Push(self.replica, self.stage.index))
                 self.inbox.put(payload)
                 if _step_of(payload) == STOP:
                     return
@@ -108,9 +109,9 @@ class AnchorFeed:
         t0 = time.perf_counter()
         self.flush()
         self.wait_s += time.perf_counter() - t0
-        flat = encode_pull(trained(self.stage), self.wire)
+        flat = encode_pull(trained(self.stage), self.wire_dtype)
         try:
-            self.pull_transport.send(("pull",), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
+            self.pull_transport.send(Pull(self.stage.index), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
                                      metered=flat.nbytes)
         except Exception as e:
             self._end(failed=True, why=f"a pull could not be sent ({e})")
@@ -181,7 +182,7 @@ class AnchorFeed:
             pass
         if self.replica == 0 and not self.ended:
             try:
-                self.pull_transport.send(("pull",), Payload({"step": torch.tensor([STOP])}), None)
+                self.pull_transport.send(Pull(self.stage.index), Payload({"step": torch.tensor([STOP])}), None)
             except Exception as e:
                 self._end(failed=True, why=f"the stop could not be sent ({e})")
             self.flush()
@@ -194,11 +195,11 @@ class AnchorStageRank:
     """An anchor replica's stage process: the loop of cycles (see the module docstring)."""
 
     def __init__(self, cfg, stage, worker, actions, layout, pull_transport, push_transport, row_transport,
-                 meter: ByteMeter, wire, data):
+                 meter: ByteMeter, wire_dtype, data):
         self.cfg, self.stage, self.worker, self.layout = cfg, stage, worker, layout
         self.order = [(stage.index, a) for a in actions]
         self.pull_transport, self.push_transport, self.row_transport = pull_transport, push_transport, row_transport
-        self.meter, self.wire, self.data = meter, wire, data
+        self.meter, self.wire_dtype, self.data = meter, wire_dtype, data
         self.push = (PowerSGDState(rank=cfg.anchor.push_rank, start_step=0, seed=cfg.train.seed + stage.index)
                      if cfg.anchor.push_rank else None)
         self.pulls: queue.Queue = queue.Queue()
@@ -207,10 +208,14 @@ class AnchorStageRank:
         self._receiver = threading.Thread(target=self._receive_pulls, name="thinpipe-anchor-pull", daemon=True)
         self._receiver.start()
 
+    def close(self) -> None:
+        for tr in (self.pull_transport, self.push_transport, self.row_transport):
+            tr.close()
+
     def _receive_pulls(self) -> None:
         try:
             while True:
-                payload = self.pull_transport.recv(("pull",))
+                payload = self.pull_transport.recv(Pull(self.stage.index))
                 self.pulls.put(payload)
                 if _step_of(payload) == STOP:
                     return
@@ -249,10 +254,10 @@ class AnchorStageRank:
                     pull = self._next_pull(newest=self.cfg.anchor.delivery == "arrival")
                     step = _step_of(pull)
                 else:
-                    step = _step_of(self.row_transport.recv(("anchor-cycle", s - 1)))
+                    step = _step_of(self.row_transport.recv(AnchorCycle(s - 1)))
                     pull = self._pull_of(step)  # at a stop: this stage's own stop (its receiver is done)
                 if not last:
-                    self.row_transport.send(("anchor-cycle", s), Payload({"step": torch.tensor([step])}), None)
+                    self.row_transport.send(AnchorCycle(s), Payload({"step": torch.tensor([step])}), None)
                 if step == STOP:
                     self.row_transport.flush()  # the next stage's stop must have left before teardown
                     break
@@ -262,10 +267,10 @@ class AnchorStageRank:
                 batch = next(self.data)
                 grads = run_anchor_pass([self.worker], self.order, batch, step, self.cfg.train.microbatches,
                                         self.layout.dp)[0]
-                push = encode_push(grads, self.push, self.wire)
+                push = encode_push(grads, self.push, self.wire_dtype)
                 nbytes = sum(t.nbytes for t in push.values())
                 for r in range(self.layout.dp):
-                    self.push_transport.send(("push", r), Payload({"step": torch.tensor([step]), **push}), "anchor",
+                    self.push_transport.send(Push(r, self.stage.index), Payload({"step": torch.tensor([step]), **push}), "anchor",
                                              metered=nbytes)
                 self.push_transport.flush()
                 self.row_transport.flush()
@@ -277,7 +282,7 @@ class AnchorStageRank:
         meter = torch.tensor([self.meter.totals[a] for a in AXES], dtype=torch.int64)
         try:
             for r in range(self.layout.dp):
-                self.push_transport.send(("push", r), Payload({"step": torch.tensor([STOP]), "bytes": meter,
+                self.push_transport.send(Push(r, self.stage.index), Payload({"step": torch.tensor([STOP]), "bytes": meter,
                                                                "failed": torch.tensor([int(failed)])}), None)
             self.push_transport.flush()
             if not failed:

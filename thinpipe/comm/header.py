@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.comm.payload import Payload
 
 MAGIC = 0x7468696E70697065  # "thinpipe"
 MAX_TENSORS = 8

@@ -19,8 +19,8 @@ from thinpipe.comm import LocalGroup, drive_lockstep
 from thinpipe.dp.powersgd import PowerSGDState, factorized, orthonormalize, powersgd_average
 
 
-def _wire(t: torch.Tensor, wire: torch.dtype | None) -> torch.Tensor:
-    return t.detach().to(wire) if wire is not None else t.detach()
+def _in_wire_dtype(t: torch.Tensor, wire_dtype: torch.dtype | None) -> torch.Tensor:
+    return t.detach().to(wire_dtype) if wire_dtype is not None else t.detach()
 
 
 def trained(stage) -> list[torch.Tensor]:
@@ -29,9 +29,9 @@ def trained(stage) -> list[torch.Tensor]:
     return [p for p in stage.parameters() if p.requires_grad]
 
 
-def encode_pull(params: list[torch.Tensor], wire: torch.dtype | None) -> torch.Tensor:
+def encode_pull(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> torch.Tensor:
     """A stage's weights as one flat tensor in the wire dtype (parameter order)."""
-    return torch.cat([_wire(p, wire).reshape(-1) for p in params])
+    return torch.cat([_in_wire_dtype(p, wire_dtype).reshape(-1) for p in params])
 
 
 @torch.no_grad()
@@ -58,19 +58,19 @@ class _Recorder(LocalGroup):
 
 @torch.no_grad()
 def encode_push(grads: dict[str, torch.Tensor], state: PowerSGDState | None,
-                wire: torch.dtype | None) -> dict[str, torch.Tensor]:
+                wire_dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The push's tensors for a stage's gradient ``grads`` (name -> tensor, the stage's order)."""
     if state is None:
-        return {"dense": torch.cat([_wire(g, wire).reshape(-1) for g in grads.values()])}
+        return {"dense": torch.cat([_in_wire_dtype(g, wire_dtype).reshape(-1) for g in grads.values()])}
     work = {n: g.clone() for n, g in grads.items()}
     rec = _Recorder()
     drive_lockstep([powersgd_average(state, work, rec, 0, 1)])
     plan = factorized({n: tuple(g.shape) for n, g in grads.items()}, state)
     dense = [work[n] for n in grads if n not in plan]
-    out = {"dense": torch.cat([_wire(g, wire).reshape(-1) for g in dense]) if dense else torch.zeros(0)}
+    out = {"dense": torch.cat([_in_wire_dtype(g, wire_dtype).reshape(-1) for g in dense]) if dense else torch.zeros(0)}
     if plan:
         # rec.sent: [dense all-reduce (if any dense), P, Q'] in powersgd_average's order
-        out["p"], out["q"] = _wire(rec.sent[-2], wire), _wire(rec.sent[-1], wire)
+        out["p"], out["q"] = _in_wire_dtype(rec.sent[-2], wire_dtype), _in_wire_dtype(rec.sent[-1], wire_dtype)
     return out
 
 

@@ -17,15 +17,10 @@ import torch  # noqa: E402
 
 from thinpipe.analysis.subspace import (captured_energy, cosine_preservation, cumulative_energy,  # noqa: E402
                                         principal_angle_deg, rank_for_energy, singular_values, stable_rank)
+from thinpipe.data import batches as batch_stream  # noqa: E402
+from thinpipe.runs import load_mesh  # noqa: E402
+from thinpipe.engine.setup import build_data  # noqa: E402
 from thinpipe.optim.stiefel import orthonormal  # noqa: E402
-
-
-def projector_of(b) -> torch.Tensor | None:
-    if hasattr(b, "projector"):
-        return b.projector.A.detach()
-    if hasattr(b, "basis"):
-        return b.basis.U.detach()
-    return None
 
 
 def adjacent_stable_ranks(stage) -> dict[str, float]:
@@ -45,7 +40,7 @@ def analyze_mesh(mesh, batches: list[dict], seed: int = 0) -> dict:
                "singular_values": s.tolist(), "cumulative_energy": cumulative_energy(s).tolist(),
                "rank_for_90": rank_for_energy(s, 0.90), "rank_for_99": rank_for_energy(s, 0.99),
                "stable_rank": adjacent_stable_ranks(mesh.replicas[0][b.index])}
-        A = projector_of(b)
+        A = b.subspace()
         if A is not None:
             fixed = orthonormal(A.shape[0], A.shape[1], torch.Generator().manual_seed(seed + 17 + b.index))
             full, proj, r = cosine_preservation(X, A, seed=seed)
@@ -110,9 +105,6 @@ def plot_analysis(result: dict, out: Path, title: str) -> list[Path]:
 
 
 def analyze_run(run: str | Path, batches: int = 4) -> tuple[dict, list[Path]]:
-    from thinpipe.data import batches as batch_stream
-    from thinpipe.engine.trainer import build_data, load_mesh
-
     run = Path(run)
     cfg, mesh, loaded = load_mesh(run)
     _, val = build_data(cfg, loaded.tokenizer)
@@ -124,5 +116,5 @@ def analyze_run(run: str | Path, batches: int = 4) -> tuple[dict, list[Path]]:
     out = run / "analysis"
     out.mkdir(exist_ok=True)
     (out / "analysis.json").write_text(json.dumps(result))
-    title = f"{run.name}: {cfg.boundary.kind}" + (f" r={cfg.boundary.rank}" if hasattr(mesh.boundaries[0], "rank") else "")
+    title = f"{run.name}: {cfg.boundary.kind}" + (f" r={cfg.boundary.rank}" if mesh.boundaries[0].subspace() is not None else "")
     return result, plot_analysis(result, out, title)

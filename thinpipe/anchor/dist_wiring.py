@@ -1,0 +1,58 @@
+"""The anchor circuit's wiring on the real mesh: an anchor stage rank, and a fast rank's feed.
+
+Both ends of a stage's pull and push links (their own process groups, ``comm/groups.py``); the
+anchor row's PP links are shaped like the fast rows' (``comm/shaped.py: MeshLinks``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from thinpipe.anchor.dist import AnchorFeed, AnchorStageRank
+from thinpipe.boundary import Boundary
+from thinpipe.comm import ByteMeter
+from thinpipe.comm.dist import DistTransport
+from thinpipe.comm.distgroup import DistGroup
+from thinpipe.comm.groups import ProcessGroups
+from thinpipe.comm.shaped import MeshLinks
+from thinpipe.config import Config
+from thinpipe.engine.setup import anchor_stream
+from thinpipe.engine.worker import StageWorker
+
+
+def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks):
+    """(pull, push) transports of ``stage``'s anchor links; the pull side sends in the background."""
+    pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True)
+    push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage])
+    return pull, push
+
+
+def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
+                      wire_dtype, compute_dtype, actions, train_ds, hidden: int) -> AnchorStageRank:
+    """An anchor replica's stage process: dense boundaries, its PP traffic on the ``anchor`` axis
+    over the anchor row's links (shaped like the fast rows'), its own data shard."""
+    m, s = cfg.mesh, stage.index
+    dense = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
+    row = DistTransport(layout, me, meter, lambda axis, peer: links.pp("pp_fwd", peer), group=groups.anchor_row)
+    worker = StageWorker(stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None, row,
+                         compute_dtype, axes=("anchor", "anchor"))
+    pull, push = anchor_transports(layout, me, s, groups, meter, links)
+    return AnchorStageRank(cfg, stage, worker, actions, layout, pull, push, row, meter, wire_dtype,
+                           anchor_stream(cfg, train_ds, 0))
+
+
+def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: ProcessGroups, meter: ByteMeter,
+                links: MeshLinks, wire_dtype) -> AnchorFeed:
+    """A fast rank's end of its stage's anchor links."""
+    pull, push = anchor_transports(layout, me, stage.index, groups, meter, links)
+    control = DistGroup(groups.dp[stage.index], cfg.mesh.dp, meter, None)
+
+    def agree(count: int) -> int:
+        # ``arrival``: every replica of this stage takes the same priors at the same step.
+        _, counts = control.all_gather(replica, torch.tensor([count]))
+        return int(min(c.item() for c in counts))
+
+    timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+    return AnchorFeed(cfg, stage, replica, pull, push, meter, wire_dtype, agree, wait_timeout_s=max(timeout_s, 600.0))

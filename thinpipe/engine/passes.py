@@ -1,0 +1,95 @@
+"""Passes through replica 0's pipeline over any transport: residuals at the boundaries (and the
+residual start of learned boundaries), the held-out loss.
+
+The residual at boundary b is the sender's activation minus the token-deterministic part the
+boundary does not send (``Boundary.residual_offset``; the token embedding for kinds without one),
+MAPL Fig. 3's X - E[ids]. Replica 0's stages run the batches through the pipeline as it trains
+(through architectural boundaries, dense otherwise), one rank per stage, each batch one round: the
+simulation drives every rank's generator in lockstep over its mailbox, a real rank runs its own
+over the evaluation transport; the arithmetic is the same.
+
+The residual start (``Boundary.wants_residual_init``; MAPL's PCA start, §3.2): boundary by
+boundary, since a start changes what the later boundaries see, the sender computes the start from
+its residuals and every copy of the boundary loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+
+import torch
+
+from thinpipe.boundary import Boundary
+from thinpipe.boundary.link import receiver_forward, sender_forward
+from thinpipe.comm.tags import EvalActivation
+from thinpipe.engine.context import make_contexts
+from thinpipe.engine.rank import DONE
+
+
+def eval_boundary(b: Boundary) -> Boundary:
+    """What evaluation passes through: the boundary itself when it is part of the model, else dense."""
+    return b if b.architectural else Boundary(b.index, b.hidden_size, None)
+
+
+@torch.no_grad()
+def residual_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transport, batches: list[dict],
+                  at: set[int], step: int, out: dict[int, list[torch.Tensor]],
+                  embed: Callable | None = None) -> Generator:
+    """Replica 0's rank of ``stage``: appends to ``out[b]`` its (tokens, d) residuals at each of its
+    boundaries b in ``at``; ranks past the last boundary of ``at`` take no part."""
+    s, last = stage.index, max(at)
+    if s > last:
+        return
+    for i, batch in enumerate(batches):
+        ctx = make_contexts(batch, 1, step, 0)[0]
+        key = ("residuals", last, i)
+        if s == 0:
+            x = ctx.input_ids
+        else:
+            x = receiver_forward(eval_boundary(in_b), transport.recv(EvalActivation(0, s - 1, key)), ctx,
+                                 torch.float32)[1]
+        x = stage(x, ctx)
+        if s in at:
+            off = out_b.residual_offset(ctx.input_ids)
+            if off is None:
+                if embed is None:
+                    raise ValueError(f"boundary {s} ({out_b.kind}) has no residual offset of its own and this rank "
+                                     "holds no token embedding")
+                off = embed(ctx.input_ids)
+            out.setdefault(s, []).append((x - off).reshape(-1, x.shape[-1]).float())
+        if s < last:
+            transport.send(EvalActivation(0, s, key), sender_forward(eval_boundary(out_b), x, ctx)[1], None)
+        yield DONE
+    transport.flush()
+
+
+def residual_start_boundaries(bounds: list[Boundary]) -> list[int]:
+    """The boundaries that want a residual start, in pipeline order."""
+    return [b.index for b in bounds if b.wants_residual_init]
+
+
+@torch.no_grad()
+def pipeline_loss(stage, in_b: Boundary | None, out_b: Boundary | None, transport, batches, compute_dtype,
+                  step: int) -> tuple[float, int]:
+    """Replica 0's rank of ``stage`` in a held-out pass (dense boundaries unless the boundary is part
+    of the model, as the simulation evaluates): the last stage returns (sum of token losses, token
+    count), the others (0.0, 0)."""
+    total, n = 0.0, 0
+    for i, batch in enumerate(batches):
+        ctx = make_contexts(batch, 1, step, 0)[0]
+        ctx.loss_scale = 1.0
+        if stage.is_first:
+            x = ctx.input_ids
+        else:
+            x = receiver_forward(eval_boundary(in_b), transport.recv(EvalActivation(0, stage.index - 1, ("val", i))),
+                                 ctx, torch.float32)[1]
+        with torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+            x = stage(x, ctx)
+        if stage.is_last:
+            total += float(x)
+            n += int((batch["labels"][:, 1:] != -100).sum())
+        else:
+            transport.send(EvalActivation(0, stage.index, ("val", i)), sender_forward(eval_boundary(out_b), x, ctx)[1],
+                           None)
+    transport.flush()
+    return total, n

@@ -1,0 +1,184 @@
+"""The run loop, written once for both engines (DESIGN.md property 8).
+
+Everything a run produces lands in its output folder: ``config.toml`` (fully resolved),
+``metrics.jsonl`` (one row per step, appended and flushed as the step ends), ``summary.json``,
+``loss.png`` and ``checkpoint/`` (written atomically; ``--resume`` continues the same trajectory).
+The loop owns the step loop, the rows, validation, the checkpoint cadence, the summary and the plot;
+an engine (``Engine`` below: the simulation in ``sim_engine.py``, a rank of the real mesh in
+``dist.py``) owns how a step, a held-out loss or a checkpoint is computed over its transport. The
+two engines write the same keys; a test compares their files field by field.
+
+Metrics row keys: step, loss, lr, tokens, grad_norm, ``{axis}_bytes`` for every metered axis
+(cumulative, whole mesh), wall_s; at eval steps val_loss (and captured_energy for boundaries with a
+subspace); diag at diagnostic steps (simulation only).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Protocol
+
+from tqdm import tqdm
+
+from thinpipe.comm import AXES
+from thinpipe.config import Config, ConfigError, load_config
+from thinpipe.engine.setup import lr_at
+from thinpipe.engine.sim_engine import SimEngine
+from thinpipe.log import say
+
+
+class Engine(Protocol):
+    lead: bool          # this process writes the run folder
+    world_size: int     # the mesh's processes (simulated or real)
+
+    def residual_start(self) -> None: ...
+    def train_step(self, step: int) -> float: ...              # the step's mean training loss over replicas
+    def grad_norm(self) -> float: ...
+    def bytes_total(self) -> dict[str, int]: ...               # cumulative, whole mesh, per axis
+    def validation_loss(self) -> float: ...
+    def captured_energy(self) -> dict | None: ...
+    def diagnostics(self) -> dict | None: ...
+    def save(self, folder: Path, extra: dict) -> None: ...
+    def load(self, folder: Path) -> tuple[int, dict]: ...      # (step, extra)
+    def finish(self) -> None: ...
+    def summary_extras(self) -> dict: ...
+
+
+def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
+    """With --resume the run continues as its folder's config says (the command line's is ignored)."""
+    if not resume:
+        return cfg
+    if not (out / "config.toml").is_file():
+        raise ConfigError(f"--resume: no checkpoint in {out} (no config.toml there); start without --resume")
+    saved = load_config(out / "config.toml")
+    if saved.to_dict() != cfg.to_dict():
+        say(f"[thinpipe] --resume continues the run as configured in {out / 'config.toml'}; "
+            "the config given on the command line is ignored")
+    return saved
+
+
+def plot_losses(metrics: list[dict], val_points: list, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1, label="train (compressed circuit)")
+    if val_points:
+        ax.plot(*zip(*val_points), "o-", label="held-out (unmasked)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _read_rows(path: Path, before: int) -> list[dict]:
+    if not path.is_file():
+        return []
+    with open(path) as f:
+        return [m for m in (json.loads(line) for line in f if line.strip()) if m["step"] < before]
+
+
+def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: bool = True) -> dict | None:
+    """Train ``engine`` as configured; the lead returns the summary (also in ``out/summary.json``)."""
+    t = cfg.train
+    ckpt = out / "checkpoint"
+    start, val_points = 0, []
+    if resume:
+        start, extra = engine.load(ckpt)
+        val_points = [tuple(v) for v in extra["val_points"]]
+    else:
+        engine.residual_start()
+    metrics = _read_rows(out / "metrics.jsonl", start) if resume else []
+    if engine.lead:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.toml").write_text(cfg.to_toml())
+        with open(out / "metrics.jsonl", "w") as f:  # rows after the checkpoint are redone
+            f.writelines(json.dumps(m) + "\n" for m in metrics)
+    wall0 = time.perf_counter() - (metrics[-1]["wall_s"] if metrics else 0.0)
+    if not val_points:
+        val_points.append((0, engine.validation_loss()))
+    tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
+    bar = tqdm(range(start, t.steps), desc="train", disable=not (progress and engine.lead), initial=start,
+               total=t.steps, file=sys.stderr, dynamic_ncols=True)
+    with open(out / "metrics.jsonl", "a") if engine.lead else _Discard() as f:
+        for step in bar:
+            loss = engine.train_step(step)
+            if not math.isfinite(loss):
+                raise RuntimeError(f"training diverged at step {step}: loss = {loss}; lower train.lr "
+                                   f"(now {t.lr}) or compress less")
+            b = engine.bytes_total()
+            row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": (step + 1) * tokens_per_step,
+                   "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
+                   "wall_s": time.perf_counter() - wall0}
+            diag = engine.diagnostics()
+            if diag is not None:
+                row["diag"] = diag
+            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
+                row["val_loss"] = engine.validation_loss()
+                val_points.append((step + 1, row["val_loss"]))
+                energy = engine.captured_energy()
+                if energy:
+                    row["captured_energy"] = energy
+            metrics.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{row['lr']:.2e}")
+            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                engine.save(ckpt, {"val_points": val_points})
+    wall = time.perf_counter() - wall0
+    engine.finish()
+    final_val = engine.validation_loss()
+    val_points.append((t.steps, final_val))
+    b = engine.bytes_total()
+    extras = engine.summary_extras()
+    engine.save(ckpt, {"val_points": val_points})
+    if not engine.lead:
+        return None
+    tokens = t.steps * tokens_per_step
+    summary = {
+        "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
+        "initial_val_loss": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
+        "final_val_loss": final_val, "val_ppl": math.exp(final_val),
+        **{f"{a}_bytes": b[a] for a in AXES}, "bytes_per_token": {a: b[a] / tokens for a in AXES},
+        "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
+        **extras, "val_points": val_points,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    b_cfg = cfg.boundary
+    plot_losses(metrics, val_points, out / "loss.png",
+                f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
+                f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
+    return summary
+
+
+def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
+    """Run training in the simulation as configured; returns the summary (also in ``out/summary.json``)."""
+    out = Path(out)
+    cfg = resolve_resume(cfg, out, resume)
+    return run(SimEngine(cfg), cfg, out, resume=resume, progress=progress)
+
+
+class _Discard:
+    """A file for ranks that write no run folder."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, _):
+        pass
+
+    def flush(self):
+        pass

@@ -1,0 +1,81 @@
+"""What both engines derive from a config in the same way: dtypes, the lr schedule, data, streams.
+
+Each function is the one definition the simulation and the distributed engine share, so that the
+two runs of one config see the same model, data, batches and learning rates (DESIGN.md property 1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.config import Config, ConfigError
+from thinpipe.data import PackedDataset, batches, build_dataset
+from thinpipe.models import LoadedModel, load_model
+from thinpipe.models.lora import apply_lora
+from thinpipe.optim import cosine_with_warmup
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PCA_SEED_OFFSET = 1_000_003  # the residual start's own data stream: the training order stays a random start's
+
+
+def wire_dtype(cfg: Config) -> torch.dtype | None:
+    """The dtype activations and their gradients travel in (None: as computed, i.e. fp32)."""
+    name = cfg.train.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype
+    return None if name == "float32" else DTYPES[name]
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    t = cfg.train
+    return t.lr * cosine_with_warmup(step, t.steps, t.warmup_ratio, t.min_lr_ratio)
+
+
+def load(cfg: Config) -> LoadedModel:
+    """The configured model (seeded), with LoRA adapters when configured; checks the mesh fits it."""
+    torch.manual_seed(cfg.train.seed)
+    loaded = load_model(cfg.model.name, seed=cfg.train.seed)
+    apply_lora(loaded.model, cfg.train.lora)
+    n_layers = loaded.model.config.num_hidden_layers
+    if cfg.mesh.pp > n_layers:
+        raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {n_layers} layers")
+    return loaded
+
+
+def build_data(cfg: Config, tokenizer) -> tuple[PackedDataset, PackedDataset]:
+    t, d = cfg.train, cfg.data
+    train = build_dataset(d.name, tokenizer, t.seq_len, "train", t.seed, d.max_examples or None)
+    val = build_dataset(d.name, tokenizer, t.seq_len, "val", t.seed)
+    if len(train) < t.batch_size * cfg.mesh.dp:
+        raise ConfigError(f"data {d.name!r} packs into {len(train)} training rows of {t.seq_len} tokens, fewer than one "
+                          f"step needs ({t.batch_size} x {cfg.mesh.dp} replicas): lower train.batch_size or raise "
+                          "data.max_examples")
+    if d.val_rows:
+        val.input_ids, val.labels, val.segment_ids = (val.input_ids[:d.val_rows], val.labels[:d.val_rows],
+                                                      val.segment_ids[:d.val_rows])
+    return train, val
+
+
+def val_batches(val: PackedDataset, batch_size: int):
+    for i in range(0, len(val), batch_size):
+        yield {"input_ids": val.input_ids[i:i + batch_size], "labels": val.labels[i:i + batch_size],
+               "segment_ids": val.segment_ids[i:i + batch_size]}
+
+
+def replica_stream(cfg: Config, train: PackedDataset, replica: int, start_step: int):
+    """Fast replica ``replica``'s batches from step ``start_step`` on (the anchor has its own shard)."""
+    t = cfg.train
+    return batches(train, t.batch_size, t.seed, shard=replica, num_shards=cfg.mesh.dp + cfg.mesh.anchor,
+                   start_step=start_step)
+
+
+def anchor_stream(cfg: Config, train: PackedDataset, start_step: int):
+    """The anchor replica's batches, one per cycle, from the first cycle at or after ``start_step``."""
+    t, every = cfg.train, cfg.anchor.every or cfg.anchor.staleness
+    cycles_done = -(-start_step // every)  # cycles started at steps 0, every, 2 every, ... < start
+    return batches(train, t.batch_size, t.seed, shard=cfg.mesh.dp, num_shards=cfg.mesh.dp + cfg.mesh.anchor,
+                   start_step=cycles_done)
+
+
+def residual_batches(cfg: Config, train: PackedDataset) -> list[dict]:
+    """The batches a residual start (MAPL's PCA start) computes on."""
+    stream = batches(train, cfg.train.batch_size, cfg.train.seed + PCA_SEED_OFFSET)
+    return [next(stream) for _ in range(cfg.boundary.pca_batches)]

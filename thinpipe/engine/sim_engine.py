@@ -1,0 +1,124 @@
+"""The simulation as an engine of the run loop (``run.py``): the whole mesh in this process.
+
+``SimMesh`` (``sim.py``) is the mesh; this adds what a run needs around it, as the distributed
+engine does for its rank: the data streams of every replica and of the anchor, the held-out loss,
+the checkpoint (one file, ``checkpoint/state.pt``, written atomically) and the summary's extras.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from thinpipe.analysis import energy_vs_fixed
+from thinpipe.config import Config, ConfigError
+from thinpipe.engine.setup import anchor_stream, build_data, load, replica_stream, residual_batches, val_batches
+from thinpipe.engine.sim import SimMesh
+
+
+def atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
+    """Replica 0's held-out loss over ``val`` (token mean)."""
+    total, n = 0.0, 0
+    for batch in val_batches(val, batch_size):
+        s, c = mesh.eval_loss(batch)
+        total, n = total + s, n + c
+    return total / max(n, 1)
+
+
+def anchor_summary(mesh: SimMesh) -> dict:
+    if mesh.anchor is None:
+        return {}
+    seen = mesh.anchor.staleness_seen
+    return {"priors_consumed": mesh.priors_consumed,
+            "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
+            "anchor_staleness_max": max(seen) if seen else None,
+            # what the distributed engine measures; the simulation delivers exactly, never waits
+            "anchor_delivery": "fixed", "anchor_wait_s": 0.0, "anchor_failed": False, "anchor_pulls_skipped": 0}
+
+
+def trainable_params(mesh: SimMesh) -> int:
+    return sum(rk.trainable_count() for rk in mesh.ranks[0])
+
+
+class SimEngine:
+    lead = True
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        loaded = load(cfg)
+        self.tokenizer = loaded.tokenizer
+        self.train_ds, self.val_ds = build_data(cfg, loaded.tokenizer)
+        self.mesh = SimMesh(loaded.model, cfg)
+        self.world_size = (cfg.mesh.dp + cfg.mesh.anchor) * cfg.mesh.pp
+        self._streams = None
+
+    def residual_start(self) -> None:
+        if any(b.wants_residual_init for b in self.mesh.boundaries):
+            self.mesh.residual_start(residual_batches(self.cfg, self.train_ds))
+
+    def train_step(self, step: int) -> float:
+        mesh, cfg = self.mesh, self.cfg
+        if self._streams is None:  # from the step the run starts (or resumes) at
+            self._streams = [replica_stream(cfg, self.train_ds, r, step) for r in range(cfg.mesh.dp)]
+            self._anchor = anchor_stream(cfg, self.train_ds, step) if mesh.anchor is not None else None
+        anchor_batch = next(self._anchor) if self._anchor is not None and mesh.anchor.starts_at(step) else None
+        return mesh.train_step([next(s) for s in self._streams], anchor_batch)
+
+    def grad_norm(self) -> float:
+        return self.mesh.last_grad_norm
+
+    def bytes_total(self) -> dict[str, int]:
+        return self.mesh.meter.snapshot()
+
+    def validation_loss(self) -> float:
+        return mesh_validation_loss(self.mesh, self.val_ds, self.cfg.train.batch_size)
+
+    def captured_energy(self) -> dict | None:
+        """Per boundary with a subspace: captured energy of the first validation batch's residual by
+        it and by a fixed random basis of the same rank (MAPL Fig. 4b, tracked over training)."""
+        bounds = self.mesh.boundaries
+        if not bounds or bounds[0].subspace() is None:
+            return None
+        batch = next(val_batches(self.val_ds, self.cfg.train.batch_size))
+        out = {"learned": [], "fixed": []}
+        for b, X in zip(bounds, self.mesh.boundary_residuals([batch])):
+            learned, fixed = energy_vs_fixed(X, b.subspace(), self.cfg.train.seed, b.index)
+            out["learned"].append(learned)
+            out["fixed"].append(fixed)
+        return out
+
+    def diagnostics(self) -> dict | None:
+        return self.mesh.last_diagnostics
+
+    def save(self, folder: Path, extra: dict) -> None:
+        atomic_save({"mesh": self.mesh.state_dict(), **extra}, folder / "state.pt")
+
+    def load(self, folder: Path) -> tuple[int, dict]:
+        path = folder / "state.pt"
+        if not path.is_file():
+            raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
+        state = torch.load(path, weights_only=False)
+        self.mesh.load_state_dict(state.pop("mesh"))
+        return self.mesh.step_index, state
+
+    def finish(self) -> None:
+        pass
+
+    def summary_extras(self) -> dict:
+        return {"engine": "sim", "trainable_params": trainable_params(self.mesh),
+                "boundary_memory_bytes": self.mesh.boundary_memory_bytes(), **anchor_summary(self.mesh)}

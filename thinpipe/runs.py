@@ -1,0 +1,58 @@
+"""Run folders: load one back (mesh, merged model), export one.
+
+A run folder holds ``config.toml`` and ``checkpoint/`` (``run.py`` writes them). Loading rebuilds
+the mesh of the run's own config and restores the simulation's checkpoint into it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from thinpipe.config import ARCHITECTURAL_KINDS, ConfigError, load_config
+from thinpipe.engine.setup import load
+from thinpipe.engine.sim import SimMesh
+from thinpipe.models import merge_stages
+from thinpipe.models.lora import merge_lora
+
+
+def load_mesh(run_dir: str | Path):
+    """(config, mesh restored from the checkpoint, LoadedModel) of a finished or checkpointed run."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.toml").is_file() or not (run_dir / "checkpoint" / "state.pt").is_file():
+        raise ConfigError(f"{run_dir} is not a thinpipe run folder (needs config.toml and checkpoint/state.pt)")
+    cfg = load_config(run_dir / "config.toml")
+    loaded = load(cfg)
+    mesh = SimMesh(loaded.model, cfg)
+    mesh.load_state_dict(torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)["mesh"])
+    return cfg, mesh, loaded
+
+
+def load_run(run_dir: str | Path):
+    """(config, merged Hugging Face model, tokenizer) of a finished or checkpointed run."""
+    cfg, mesh, loaded = load_mesh(run_dir)
+    if cfg.boundary.kind in ARCHITECTURAL_KINDS:
+        raise ConfigError(f"{run_dir} trained with boundary.kind = {cfg.boundary.kind}, whose projectors are part of "
+                          "the model: a plain Hugging Face model would drop them. `thinpipe eval --model RUN` evaluates "
+                          "it through its boundaries; `thinpipe analyze --run RUN` inspects them")
+    return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])), loaded.tokenizer
+
+
+def export(run_dir: str | Path, out: str | Path) -> Path:
+    """Write replica 0's weights as a Hugging Face folder that ``from_pretrained`` loads."""
+    _, model, tokenizer = load_run(run_dir)
+    out = Path(out)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent if out.parent.exists() else None, prefix=".export-"))
+    try:
+        model.save_pretrained(tmp)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.move(str(tmp), out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
