@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from thinpipe.anchor.sim import run_anchor_pass
+from thinpipe.anchor.sim import run_anchor_pass, staleness_stats
 from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.payload import Payload
@@ -174,6 +174,13 @@ class AnchorFeed:
             take, self.ready = self.ready[:n], self.ready[n:]
         self.staleness_seen += [step - a.produced_step for a in take]
         return [a.grads for a in take]
+
+    def summary(self) -> dict:
+        """The simulation's keys, plus how long the fast circuit waited on the anchor (late priors, a
+        pull that had not left), the pulls ``arrival`` skipped because the last one was still on its
+        way, and whether the anchor failed."""
+        return {**staleness_stats(self.staleness_seen), "anchor_delivery": self.delivery, "anchor_wait_s": self.wait_s,
+                "anchor_failed": self.anchor_failed, "anchor_pulls_skipped": self.pulls_skipped}
 
     def finish(self) -> None:
         """End of training: replica 0 stops the anchor stage; every fast rank waits for its end

@@ -282,7 +282,7 @@ class DistEngine:
         counts = self._gather([float(self.rk.trainable_count() if self.role.replica == 0 else 0)])
         memory = self._gather([float(sum(b.memory_bytes() for b in (self.in_b, self.out_b) if b is not None))])
         return {"engine": "dist", "trainable_params": int(sum(float(c[0]) for c in counts)),
-                "boundary_memory_bytes": int(sum(float(m[0]) for m in memory)), **feed_summary(self.feed)}
+                "boundary_memory_bytes": int(sum(float(m[0]) for m in memory)), **(self.feed.summary() if self.feed else {})}
 
     def close(self) -> None:
         transports = [self.transport, self.eval_transport]
@@ -290,19 +290,6 @@ class DistEngine:
             transports += [self.feed.pull_transport, self.feed.push_transport]
         for tr in transports:
             tr.close()
-
-
-def feed_summary(feed) -> dict:
-    """Rank 0's view of the anchor circuit: what the simulation reports, plus how long the fast
-    circuit waited on the anchor (late priors, a pull that had not left), the pulls ``arrival``
-    skipped because the last one was still on its way, and whether the anchor failed."""
-    if feed is None:
-        return {}
-    seen = feed.staleness_seen
-    return {"priors_consumed": len(seen), "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
-            "anchor_staleness_max": max(seen) if seen else None, "anchor_delivery": feed.delivery,
-            "anchor_wait_s": feed.wait_s, "anchor_failed": feed.anchor_failed,
-            "anchor_pulls_skipped": feed.pulls_skipped}
 
 
 def exit_with_launcher() -> None:

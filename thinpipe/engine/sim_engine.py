@@ -40,17 +40,6 @@ def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
     return total / max(n, 1)
 
 
-def anchor_summary(mesh: SimMesh) -> dict:
-    if mesh.anchor is None:
-        return {}
-    seen = mesh.anchor.staleness_seen
-    return {"priors_consumed": mesh.priors_consumed,
-            "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
-            "anchor_staleness_max": max(seen) if seen else None,
-            # what the distributed engine measures; the simulation delivers exactly, never waits
-            "anchor_delivery": "fixed", "anchor_wait_s": 0.0, "anchor_failed": False, "anchor_pulls_skipped": 0}
-
-
 def trainable_params(mesh: SimMesh) -> int:
     return sum(rk.trainable_count() for rk in mesh.ranks[0])
 
@@ -121,4 +110,4 @@ class SimEngine:
 
     def summary_extras(self) -> dict:
         return {"engine": "sim", "trainable_params": trainable_params(self.mesh),
-                "boundary_memory_bytes": self.mesh.boundary_memory_bytes(), **anchor_summary(self.mesh)}
+                "boundary_memory_bytes": self.mesh.boundary_memory_bytes(), **(self.mesh.anchor.summary() if self.mesh.anchor else {})}
