@@ -52,7 +52,7 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
         elif cfg.kind in ("mapl", "mapl-vq"):
             emb = model.get_input_embeddings().weight
             args = (b, hidden_size, cfg.rank, emb.shape[0], emb, seed)
-            kw = dict(anchor=cfg.anchor, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype)
+            kw = dict(offset=cfg.offset, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype)
             if cfg.kind == "mapl":
                 out.append(MaplBoundary(*args, **kw))
             else:
