@@ -98,6 +98,8 @@ BAD = [
     (["train", "--out", "X", "--set", "train.microbatches=3"], "does not divide train.batch_size"),
     (["train", "--out", "X", "--set", "steps=3"], "must be dotted"),
     (["train", "--out", "X", "--set", "mesh.pp=2", "--set", "boundary.masked=[3]"], "boundary that does not exist"),
+    (["train", "--out", "X", "--set", "boundary.anchor=full", "--set", "boundary.offset=none"],
+     "boundary.anchor = 'full' and boundary.offset = 'none' disagree"),
     (["train", "--out", "X", "--resume", "--set", "model.name=tiny-llama"], "no checkpoint"),
     (["eval", "--tasks", "arc_hard"], "unknown task(s) arc_hard"),
     (["eval", "--tasks", "arc_easy", "--limit", "0"], "--limit must be >= 1"),

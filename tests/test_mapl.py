@@ -16,13 +16,13 @@ def mapl_cfg(**kw):
     return config(**{**base, **kw})
 
 
-def test_full_rank_static_anchor_is_the_dense_model():
-    """r = d makes A A^T = I, and static anchors re-add exactly what the sender removed: the MAPL
+def test_full_rank_static_offset_is_the_dense_model():
+    """r = d makes A A^T = I, and static offsets re-add exactly what the sender removed: the MAPL
     mesh computes the dense model's loss."""
     model = tiny_model()
     batch = tiny_batch()
     dense = SimMesh(model, config(model__name="tiny-llama", mesh__pp=4))
-    full = SimMesh(model, mapl_cfg(boundary__rank=H, boundary__anchor="static"))
+    full = SimMesh(model, mapl_cfg(boundary__rank=H, boundary__offset="static"))
     a, n = dense.eval_loss(batch)
     b, m = full.eval_loss(batch)
     assert n == m and abs(a - b) < 1e-4 * abs(a)
@@ -39,7 +39,7 @@ def reference_loss(mesh, batch):
             b = bounds[s - 1]
             off = b.sender_offset(ctx.input_ids)
             z = (x - off) @ b.projector.A
-            x = z @ b.projector.A.T + b.anchor(ctx.input_ids)
+            x = z @ b.projector.A.T + b.offset(ctx.input_ids)
         x = st(x, ctx)
     return x
 
@@ -57,7 +57,7 @@ def test_split_mesh_equals_one_graph_and_owner_gets_both_halves_of_the_gradient(
     assert abs(loss - float(ref_loss.detach())) < 1e-5
     for b, rb in zip(mesh.boundaries, ref.boundaries):
         assert torch.allclose(b.projector.A.grad, rb.projector.A.grad, atol=1e-6)
-        assert torch.allclose(b.anchor.small.grad, rb.anchor.small.grad, atol=1e-6)
+        assert torch.allclose(b.offset.small.grad, rb.offset.small.grad, atol=1e-6)
 
 
 def test_payload_and_projector_sync_bytes_equal_the_formula():
@@ -122,7 +122,65 @@ def test_mesh_logits_equal_hugging_face_for_dense_and_full_rank_mapl():
     att[1, -3:] = 0  # right padding
     with torch.no_grad():
         ref = model(input_ids=ids, attention_mask=att).logits
-    for cfg in (config(model__name="tiny-llama", mesh__pp=4), mapl_cfg(boundary__rank=H, boundary__anchor="static")):
+    for cfg in (config(model__name="tiny-llama", mesh__pp=4), mapl_cfg(boundary__rank=H, boundary__offset="static")):
         out = SimMesh(model, cfg).logits(ids, att)
         real = att.bool()
         assert torch.allclose(out[real], ref[real], atol=1e-4)
+
+
+def _as_legacy(state: dict) -> dict:
+    """A SimMesh state dict as written before the per-stage "anchor" was renamed "offset"."""
+    def stage(sd):
+        return {k.replace("boundary_modules.in_offset.", "boundary_modules.in_anchor."): v for k, v in sd.items()}
+
+    def boundary(sd):
+        return {("anchor." + k[len("offset."):] if k.startswith("offset.") else k): v for k, v in sd.items()}
+    ranks = [[{**rk, "stage": stage(rk["stage"])} for rk in row] for row in state["ranks"]]
+    return {**state, "ranks": ranks, "boundaries": [[boundary(sd) for sd in row] for row in state["boundaries"]]}
+
+
+@pytest.mark.parametrize("offset", ["factorized", "full", "static"])
+def test_stage_state_dict_with_the_old_in_anchor_key_loads(offset):
+    trained = SimMesh(tiny_model(), mapl_cfg(boundary__offset=offset))
+    with torch.no_grad():  # as if trained: every value differs from a fresh mesh's
+        for t in [*trained.boundaries[0].parameters(), *trained.boundaries[0].buffers()]:
+            t.add_(torch.randn_like(t))
+    stage = trained.replicas[0][1]
+    sd = stage.state_dict()
+    old = {k.replace(".in_offset.", ".in_anchor."): v for k, v in sd.items()}
+    assert any(".in_anchor." in k for k in old) and not any(".in_offset." in k for k in old)
+    fresh = SimMesh(tiny_model(), mapl_cfg(boundary__offset=offset)).replicas[0][1]
+    key = next(k for k in sd if ".in_offset." in k)
+    assert not torch.equal(fresh.state_dict()[key], sd[key])
+    fresh.load_state_dict(old)  # strict: no missing or unexpected keys
+    assert fresh.state_dict().keys() == sd.keys()
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in sd.items())
+    b = SimMesh(tiny_model(), mapl_cfg(boundary__offset=offset)).boundaries[0]
+    b.load_state_dict({("anchor." + k[7:] if k.startswith("offset.") else k): v
+                       for k, v in trained.boundaries[0].state_dict().items()})
+    assert all(torch.equal(b.state_dict()[k], v) for k, v in trained.boundaries[0].state_dict().items())
+
+
+def test_an_old_run_folder_loads(tmp_path, capsys):
+    """config.toml with ``[boundary] anchor = ...`` and a checkpoint with ``in_anchor`` keys: load_mesh restores it."""
+    from thinpipe.engine.trainer import load_mesh
+    from thinpipe.models import load_model
+
+    cfg = mapl_cfg(boundary__offset="full")
+    mesh = SimMesh(load_model("tiny-llama").model, cfg)
+    for seed in range(2):
+        mesh.train_step([tiny_batch(batch_size=2, seed=seed)])
+    (tmp_path / "checkpoint").mkdir()
+    torch.save({"mesh": _as_legacy(mesh.state_dict())}, tmp_path / "checkpoint" / "state.pt")
+    toml = cfg.to_toml()
+    assert toml.count('offset = "full"') == 1
+    (tmp_path / "config.toml").write_text(toml.replace('offset = "full"', 'anchor = "full"'))
+    capsys.readouterr()
+    cfg2, restored, _ = load_mesh(tmp_path)
+    assert capsys.readouterr().err.count("boundary.anchor is deprecated") == 1
+    assert cfg2.to_dict() == cfg.to_dict() and restored.step_index == mesh.step_index
+    for a, b in zip(mesh.replicas[0], restored.replicas[0]):
+        assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    batch = tiny_batch(batch_size=2, seed=5)
+    assert restored.eval_loss(batch) == mesh.eval_loss(batch)
+    assert restored.train_step([batch]) == mesh.train_step([batch])  # optimizer state came back too

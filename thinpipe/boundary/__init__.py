@@ -55,7 +55,7 @@ def _ssn(cfg, b, hidden, seed, wire_dtype, model, shared):
 def _mapl(cfg, b, hidden, seed, wire_dtype, model, shared):
     emb = model.get_input_embeddings().weight
     args = (b, hidden, cfg.rank, emb.shape[0], emb, seed)
-    kw = dict(anchor=cfg.anchor, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype,
+    kw = dict(offset=cfg.offset, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype,
               pca_start=cfg.init == "pca")
     if cfg.kind == "mapl":
         return MaplBoundary(*args, **kw)

@@ -1,21 +1,23 @@
-"""MAPL: a learned Stiefel projector per boundary with factorized per-stage anchors (MAPL §3.2-3.3).
+"""MAPL: a learned Stiefel projector per boundary with factorized per-stage offsets (MAPL §3.2-3.3).
 
 Boundary p between stage p (sender) and stage p+1 (receiver)::
 
     sender:    Z = (X - offset_p[ids]) A_p                    (B, T, r)   eq. (1)
     wire:      Z (r values per token) + token ids (integers)
-    receiver:  X_hat = Z A_p^T + anchor_{p+1}[ids]             (B, T, d)   eq. (2)
+    receiver:  X_hat = Z A_p^T + offset_{p+1}[ids]             (B, T, d)   eq. (2)
     backward:  dL/dZ (r values per token) travels back through the same A_p
 
-``offset_p`` is the token embedding on the first boundary and stage p's own anchor after that;
-``anchor_p[ids] = E_p^small[ids] P_p`` with a trainable (V, r) table and a frozen random orthonormal
-(r, d) P_p (eq. 3). Table 6's alternatives are ``anchor = none | static | full``.
+``offset_p`` is the token embedding on the first boundary and stage p's own offset after that;
+``offset_p[ids] = E_p^small[ids] P_p`` with a trainable (V, r) table and a frozen random orthonormal
+(r, d) P_p (eq. 3). Table 6's alternatives are ``boundary.offset = none | static | full``. The paper
+calls this per-stage offset the stage "anchor"; here it is the *offset*, so that "anchor" means
+only the anchor circuit (``thinpipe/anchor/``).
 
 Ownership (DESIGN.md property 3): A_p belongs to the sender stage (it is registered there, so its
 optimizer, DP sync and checkpoint are the sender's); the receiver computes with a copy. After each
 backward the receiver returns its gradient contribution dL/dA_p (d x r fp32) and after each
 optimizer step the owner sends the new A_p (d x r fp32): both on the ``pp_params`` axis. Each
-stage's anchor lives on that stage, used on its input (receiver side) and output (sender side), so
+stage's offset lives on that stage, used on its input (receiver side) and output (sender side), so
 it is never sent. The boundary is part of the model (``architectural``): evaluation runs through it.
 """
 
@@ -27,7 +29,7 @@ from torch import nn
 from thinpipe.boundary.base import Boundary, Payload
 from thinpipe.optim.stiefel import orthonormal
 
-ANCHOR_MODES = ("factorized", "full", "static", "none")
+OFFSET_MODES = ("factorized", "full", "static", "none")
 
 
 def id_dtype(vocab_size: int) -> torch.dtype:
@@ -43,18 +45,19 @@ class Projector(nn.Module):
         self.A = nn.Parameter(A, requires_grad=trainable)
 
 
-class StageAnchor(nn.Module):
-    """A stage's token-dependent offset anchor[ids] (B, T, d), per MAPL eq. (3) and Table 6.
+class StageOffset(nn.Module):
+    """A stage's token-dependent offset offset[ids] (B, T, d), per MAPL eq. (3) and Table 6 (the
+    paper's stage "anchor").
 
     factorized: E_small (V, r) trainable @ P (r, d) frozen, rows orthonormal. E_small starts as the
-    token embedding seen through P (E_tok P^T), so at step 0 the anchor is the part of the token
+    token embedding seen through P (E_tok P^T), so at step 0 the offset is the part of the token
     embedding inside span(P^T) rather than nothing.
     full: a trainable (V, d) table starting at E_tok. static: E_tok, frozen. none: zero."""
 
     def __init__(self, mode: str, token_embedding: torch.Tensor, rank: int, generator: torch.Generator):
         super().__init__()
-        if mode not in ANCHOR_MODES:
-            raise ValueError(f"unknown anchor mode {mode!r}; choose one of {ANCHOR_MODES}")
+        if mode not in OFFSET_MODES:
+            raise ValueError(f"unknown offset mode {mode!r}; choose one of {OFFSET_MODES}")
         self.mode = mode
         E = token_embedding.detach().float()
         if mode == "factorized":
@@ -74,12 +77,19 @@ class StageAnchor(nn.Module):
         return None
 
 
+def _rename_legacy_keys(module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook: checkpoints written before the per-stage "anchor" became the
+    "offset" hold ``anchor.*`` (the boundary's own state dict); load them as ``offset.*``."""
+    for key in [k for k in state_dict if k.startswith(f"{prefix}anchor.")]:
+        state_dict[f"{prefix}offset.{key[len(prefix) + len('anchor.'):]}"] = state_dict.pop(key)
+
+
 class MaplBoundary(Boundary):
     kind = "mapl"
     architectural = True
 
     def __init__(self, index: int, hidden_size: int, rank: int, vocab_size: int, token_embedding: torch.Tensor,
-                 seed: int, anchor: str = "factorized", trainable: bool = True,
+                 seed: int, offset: str = "factorized", trainable: bool = True,
                  wire_dtype: torch.dtype | None = None, pca_start: bool = False):
         super().__init__(index, hidden_size, wire_dtype)
         if not 1 <= rank <= hidden_size:
@@ -87,23 +97,24 @@ class MaplBoundary(Boundary):
         self.rank, self.vocab_size = rank, vocab_size
         gen = torch.Generator().manual_seed(seed * 1009 + index)
         self.projector = Projector(orthonormal(hidden_size, rank, gen), trainable)
-        self.anchor = StageAnchor(anchor, token_embedding, rank, gen)  # the receiving stage's anchor
+        self.offset = StageOffset(offset, token_embedding, rank, gen)  # the receiving stage's offset
         self.A_copy = self.projector.A.detach().clone().requires_grad_(trainable)  # receiver's copy
-        self.sender_offset = None  # set by attach(): the sender stage's embedding or anchor
+        self.sender_offset = None  # set by attach(): the sender stage's embedding or offset
         self.pca_start = pca_start  # boundary.init = pca: the data-driven start (``init_from_residuals``)
+        self.register_load_state_dict_pre_hook(_rename_legacy_keys)
 
     # wiring ----------------------------------------------------------------------------------------
     def attach(self, sender, receiver) -> None:
         """Register the owned modules on the stages that own them (so optimizers, DP sync and
         checkpoints see them) and find the sender's offset."""
         sender.boundary_modules["out_projector"] = self.projector
-        receiver.boundary_modules["in_anchor"] = self.anchor
-        self.sender_offset = sender.embed_tokens if sender.is_first else sender.boundary_modules["in_anchor"]
+        receiver.boundary_modules["in_offset"] = self.offset
+        self.sender_offset = sender.embed_tokens if sender.is_first else sender.boundary_modules["in_offset"]
 
     # analysis and the PCA start (boundary contract hooks) ---------------------------------------
     def residual_offset(self, ids):
         offset = self.sender_offset(ids)
-        return torch.zeros(()) if offset is None else offset  # X - E[ids] (or the sender's anchor), MAPL Fig. 3
+        return torch.zeros(()) if offset is None else offset  # X - E[ids] (or the sender's offset), MAPL Fig. 3
 
     def subspace(self):
         return self.projector.A.detach()
@@ -139,7 +150,7 @@ class MaplBoundary(Boundary):
 
     def lift(self, z_hat, payload, ctx):
         x_hat = z_hat @ self.A_copy.T
-        offset = self.anchor(payload.tensors["ids"].long())
+        offset = self.offset(payload.tensors["ids"].long())
         return x_hat if offset is None else x_hat + offset
 
     def encode_grad(self, g, ctx):

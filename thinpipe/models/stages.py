@@ -37,6 +37,18 @@ def balanced_split(num_layers: int, num_stages: int) -> list[int]:
     return counts
 
 
+# Boundary modules renamed since: old name -> new name. Checkpoints written before MAPL's per-stage
+# "anchor" became its "offset" hold ``boundary_modules.in_anchor.*``.
+LEGACY_BOUNDARY_MODULES = {"in_anchor": "in_offset"}
+
+
+def _rename_legacy_boundary_keys(module, state_dict, prefix, *args) -> None:
+    """Load-state-dict pre-hook of ``Stage.boundary_modules``: old checkpoints' keys under their new names."""
+    for old, new in LEGACY_BOUNDARY_MODULES.items():
+        for key in [k for k in state_dict if k.startswith(f"{prefix}{old}.")]:
+            state_dict[f"{prefix}{new}.{key[len(prefix) + len(old) + 1:]}"] = state_dict.pop(key)
+
+
 class Stage(nn.Module):
     """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?"""
 
@@ -48,9 +60,10 @@ class Stage(nn.Module):
         self.rotary_emb = rotary
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
-        # Parameters of the boundaries this stage owns (a MAPL projector, a stage anchor, the SSN
+        # Parameters of the boundaries this stage owns (a MAPL projector, a MAPL stage offset, the SSN
         # basis): they train, sync and checkpoint with the stage but are not part of the HF model.
         self.boundary_modules = nn.ModuleDict()
+        self.boundary_modules.register_load_state_dict_pre_hook(_rename_legacy_boundary_keys)
 
     @property
     def is_first(self) -> bool:

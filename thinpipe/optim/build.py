@@ -3,7 +3,7 @@
 - MAPL projectors (``boundary_modules.out_projector.A``): SPEL (§3.3) at boundary.projector_lr_scale
   x lr, or plain Muon (Table 5's unconstrained ablation), or nothing (``fixed``: not trainable).
 - everything else: AdamW (train.optimizer = adamw), or Muon for the decoder layers' 2-D weights
-  and AdamW at optim.muon.adam_lr_scale x lr for embeddings, head, norms and stage anchors.
+  and AdamW at optim.muon.adam_lr_scale x lr for embeddings, head, norms and MAPL stage offsets.
 - with the anchor circuit, the result is wrapped in the spectral correction (paper 1, §3.2).
 
 A plain AdamW over all of a stage's parameters (the only optimizer before MAPL) is returned

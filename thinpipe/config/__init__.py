@@ -1,0 +1,28 @@
+"""Typed, validated run configuration.
+
+One dataclass per component, each field documented by the string literal below it. A config is
+built from defaults, then a TOML file, then dotted ``--set key=value`` overrides; every step is
+validated so that a bad input fails with one clear ``ConfigError`` before any heavy work.
+
+One file per idea: ``errors`` (ConfigError), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
+[link]), ``boundary`` ([boundary]), ``train`` ([train], [train.lora], [eval], [diag]), ``dp``
+([dp]), ``anchor`` ([anchor], [optim]), ``aliases`` (deprecated keys) and ``root`` (Config, TOML,
+overrides). Import from ``thinpipe.config``: every name is re-exported here.
+"""
+
+from thinpipe.config.aliases import DEPRECATED_KEYS
+from thinpipe.config.anchor import AnchorConfig, MuonConfig, OptimConfig, SpectralConfig
+from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BOUNDARY_KINDS, QUANT_BITS, BoundaryConfig
+from thinpipe.config.dp import DP_KINDS, DPConfig
+from thinpipe.config.errors import ConfigError
+from thinpipe.config.mesh import LinkConfig, MeshConfig
+from thinpipe.config.model_data import DataConfig, ModelConfig
+from thinpipe.config.root import Config, apply_overrides, load_config
+from thinpipe.config.train import LORA_TARGETS, DiagConfig, EvalConfig, LoraConfig, TrainConfig
+
+__all__ = [
+    "ARCHITECTURAL_KINDS", "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "QUANT_BITS",
+    "AnchorConfig", "BoundaryConfig", "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig",
+    "EvalConfig", "LinkConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig", "OptimConfig",
+    "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
+]

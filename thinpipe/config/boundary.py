@@ -1,0 +1,139 @@
+"""The PP boundary compressor: the ``[boundary]`` section and its kinds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thinpipe.config.errors import ConfigError
+from thinpipe.plugins import PLUGIN_BOUNDARIES
+
+BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq", "quant4", "quant2", "aqsgd", "tahquant",
+                  "bottleneck")
+# Part of the model: training and evaluation run through them.
+ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq", "bottleneck")
+# (forward, backward) bits of the quantising kinds when boundary.fwd_bits / bwd_bits are 0:
+# Table 4's 4-bit Quant (4x against a 16-bit wire) and AQ-SGD / TAH-Quant at "8/2x".
+QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8)}
+
+
+@dataclass(kw_only=True, slots=True)
+class BoundaryConfig:
+    kind: str = "identity"
+    """PP boundary compressor: ``identity`` (dense), ``mask`` (PRF random activation masking, §3.1),
+    ``topk`` (the K largest-magnitude dims per token, indices sent; App. F's biased baseline),
+    ``ssn`` (Subspace Networks: fixed shared basis, confined weights; MAPL App. A), ``mapl`` (learned
+    Stiefel projector + per-stage offsets; MAPL §3.2) or ``mapl-vq`` (MAPL + residual VQ; §3.5); the
+    activation-compression baselines of anchor-priors Table 4: ``quant4`` / ``quant2`` (uniform
+    4 / 2-bit), ``aqsgd`` (AQ-SGD: quantised change against a per-example buffer), ``tahquant``
+    (tile-wise adaptive Hadamard quantisation) and ``bottleneck`` (a learned linear down/up pair
+    of K = (1-p) H dims). docs/baselines.md has each one's details."""
+    p: float = 0.95
+    """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
+    rescale: bool = True
+    """Scale kept values by 1/(1-p) at the receiver so the masked activation is unbiased (App. F)."""
+    masked: list[int] = field(default_factory=list)
+    """Which boundaries (0 = between stage 0 and 1) are compressed; empty = all."""
+    p_warmup: int = 0
+    """Variant (not in the paper): ramp the mask ratio linearly from 0 to p over this many steps."""
+    dtype: str = "auto"
+    """Wire dtype of activations and their gradients: ``auto`` (the training dtype), ``float32``, ``bfloat16``."""
+    rank: int = 64
+    """Projection rank r for ``ssn``, ``mapl`` and ``mapl-vq``: r values per token cross the wire."""
+    projector_optim: str = "spel"
+    """How MAPL projectors learn (MAPL Table 5): ``spel`` (Stiefel steepest descent, §3.3),
+    ``muon`` (unconstrained, leaves the manifold) or ``fixed`` (a frozen random orthonormal A)."""
+    projector_lr_scale: float = 0.1
+    """Projector learning rate as a multiple of train.lr (MAPL App. E.4: 0.1)."""
+    projector_beta: float = 0.9
+    """SPEL heavy-ball momentum beta (eq. 5; the paper does not state it)."""
+    offset: str = "factorized"
+    """MAPL per-stage token-dependent offset (Table 6; the paper's "anchor", renamed so as not to
+    clash with the anchor circuit): ``factorized`` (E_small P), ``full`` (a V x d table per stage),
+    ``static`` (the frozen token embedding) or ``none``. ``boundary.anchor`` is a deprecated alias."""
+    init: str = "random"
+    """MAPL projector start: ``random`` (seeded orthonormal, the paper) or ``pca`` (the top-r principal
+    directions of the boundary activations on a few training batches; for adapting pretrained models)."""
+    pca_batches: int = 4
+    """Training batches the ``pca`` start looks at."""
+    vq_codes: int = 256
+    """``mapl-vq``: codes K per codebook (Table 8: 256)."""
+    vq_rounds: int = 2
+    """``mapl-vq``: residual rounds R (Table 8: 2)."""
+    vq_group_size: int = 2
+    """``mapl-vq``: dims per quantised group g (Table 8: G = 2); rank must be a multiple."""
+    vq_sync_codes: int = 1
+    """``mapl-vq``: codebook slots streamed per microbatch and direction (§3.5: 1/K of the codebook)."""
+    vq_decay: float = 0.95
+    """``mapl-vq``: EMA decay of the k-means codebook updates."""
+    fwd_bits: int = 0
+    """Quantising kinds: bits per activation value (0 = the kind's default: quant4 4, quant2 2,
+    aqsgd / tahquant 2)."""
+    bwd_bits: int = 0
+    """Quantising kinds: bits per activation-gradient value (0 = default: quant4 4, quant2 2,
+    aqsgd / tahquant 8, i.e. Table 4's 8x forward / 2x backward against a 16-bit wire)."""
+    quant_group: int = 64
+    """Quantising kinds: hidden dims per scale group (tile) of one token; 0 = one group per token.
+    Must divide the hidden size (tahquant: a power of two <= 64)."""
+    tah_high_fraction: float = 0.25
+    """``tahquant``: fraction of tiles (highest code entropy) quantised with one extra bit."""
+    tah_outlier_ratio: float = 4.0
+    """``tahquant``: a tile whose absmax exceeds this many times its RMS is Hadamard-rotated."""
+    ssn_refresh_every: int = 500
+    """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
+    ssn_refresh_lr: float = 0.01
+    """``ssn``: Grassmann step size (Table 8: 1e-2)."""
+
+    def bits(self) -> tuple[int, int]:
+        """(forward, backward) bits of a quantising kind, defaults filled in."""
+        fwd, bwd = QUANT_BITS.get(self.kind, (0, 0))
+        return self.fwd_bits or fwd, self.bwd_bits or bwd
+
+    def validate(self) -> None:
+        if self.kind not in BOUNDARY_KINDS and self.kind not in PLUGIN_BOUNDARIES:
+            raise ConfigError(f"boundary.kind = {self.kind!r} is unknown: choose one of "
+                              f"{', '.join(BOUNDARY_KINDS + tuple(PLUGIN_BOUNDARIES))}")
+        if not 0.0 <= self.p < 1.0:
+            raise ConfigError(f"boundary.p must be in [0, 1) (the fraction of dims dropped), got {self.p}")
+        if self.p_warmup < 0:
+            raise ConfigError(f"boundary.p_warmup must be >= 0 steps, got {self.p_warmup}")
+        if any(b < 0 for b in self.masked):
+            raise ConfigError(f"boundary.masked holds boundary indices >= 0, got {self.masked}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"boundary.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.rank < 1:
+            raise ConfigError(f"boundary.rank must be >= 1, got {self.rank}")
+        if self.projector_optim not in ("spel", "muon", "fixed"):
+            raise ConfigError(f"boundary.projector_optim must be spel, muon or fixed, got {self.projector_optim!r}")
+        if self.projector_lr_scale < 0 or not 0 <= self.projector_beta < 1:
+            raise ConfigError("boundary.projector_lr_scale must be >= 0 and boundary.projector_beta in [0, 1), got "
+                              f"{self.projector_lr_scale} and {self.projector_beta}")
+        if self.offset not in ("factorized", "full", "static", "none"):
+            raise ConfigError(f"boundary.offset must be factorized, full, static or none, got {self.offset!r}")
+        if self.init not in ("random", "pca"):
+            raise ConfigError(f"boundary.init must be random or pca, got {self.init!r}")
+        if self.pca_batches < 1:
+            raise ConfigError(f"boundary.pca_batches must be >= 1, got {self.pca_batches}")
+        if self.kind == "mapl-vq":
+            if self.rank % self.vq_group_size:
+                raise ConfigError(f"boundary.rank = {self.rank} must be a multiple of boundary.vq_group_size = "
+                                  f"{self.vq_group_size}")
+            if not 2 <= self.vq_codes or self.vq_rounds < 1 or not 1 <= self.vq_sync_codes <= self.vq_codes:
+                raise ConfigError("boundary.vq_codes must be >= 2, vq_rounds >= 1 and 1 <= vq_sync_codes <= vq_codes")
+            if not 0 <= self.vq_decay < 1:
+                raise ConfigError(f"boundary.vq_decay must be in [0, 1), got {self.vq_decay}")
+        if not 0 <= self.fwd_bits <= 8 or not 0 <= self.bwd_bits <= 8:
+            raise ConfigError(f"boundary.fwd_bits and boundary.bwd_bits must be in 1..8 (0 = the kind's default), got "
+                              f"{self.fwd_bits} and {self.bwd_bits}")
+        if self.kind == "tahquant" and self.bits()[0] > 7:
+            raise ConfigError("boundary.fwd_bits must be <= 7 for tahquant (its high-entropy tiles get one more bit)")
+        if self.quant_group < 0:
+            raise ConfigError(f"boundary.quant_group must be >= 0 (0 = per token), got {self.quant_group}")
+        if self.kind == "tahquant" and (not self.quant_group or self.quant_group & (self.quant_group - 1)
+                                        or self.quant_group > 64):
+            raise ConfigError(f"boundary.quant_group must be a power of two <= 64 for tahquant (its Hadamard tiles), "
+                              f"got {self.quant_group}")
+        if not 0 <= self.tah_high_fraction <= 1 or self.tah_outlier_ratio <= 0:
+            raise ConfigError("boundary.tah_high_fraction must be in [0, 1] and boundary.tah_outlier_ratio > 0, got "
+                              f"{self.tah_high_fraction} and {self.tah_outlier_ratio}")
+        if self.ssn_refresh_every < 0 or self.ssn_refresh_lr < 0:
+            raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")

@@ -1,0 +1,173 @@
+"""The whole run configuration: ``Config`` (one section per component), TOML in and out, and the
+dotted ``--set key=value`` overrides with their type coercion.
+
+A config is built from defaults, then a TOML file, then ``--set`` overrides; every step is
+validated so that a bad input fails with one clear ``ConfigError`` before any heavy work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from thinpipe.config.aliases import rename_deprecated
+from thinpipe.config.anchor import AnchorConfig, OptimConfig
+from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BoundaryConfig
+from thinpipe.config.dp import DPConfig
+from thinpipe.config.errors import ConfigError
+from thinpipe.config.mesh import LinkConfig, MeshConfig
+from thinpipe.config.model_data import DataConfig, ModelConfig
+from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    boundary: BoundaryConfig = field(default_factory=BoundaryConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
+    anchor: AnchorConfig = field(default_factory=AnchorConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    link: LinkConfig = field(default_factory=LinkConfig)
+    diag: DiagConfig = field(default_factory=DiagConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.boundary.kind in ARCHITECTURAL_KINDS:
+            if self.boundary.masked:
+                raise ConfigError(f"boundary.kind = {self.boundary.kind} applies to every boundary (its stage "
+                                  "offsets chain through them): leave boundary.masked empty")
+            if self.mesh.anchor:
+                raise ConfigError(f"mesh.anchor = 1 runs dense passes of the model, but boundary.kind = "
+                                  f"{self.boundary.kind} is part of the model: use mask/topk with the anchor circuit")
+            if self.diag.every:
+                raise ConfigError(f"diag.every compares with the unmasked gradient, which boundary.kind = "
+                                  f"{self.boundary.kind} (part of the model) does not have: set diag.every = 0")
+        if self.boundary.masked and max(self.boundary.masked) >= self.mesh.pp - 1:
+            raise ConfigError(
+                f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
+                f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a TOML value or a ``--set`` string to the field's declared type."""
+    typ = str(typ)
+    if isinstance(value, str) and typ != "str":
+        text = value.strip()
+        if typ == "bool":
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ConfigError(f"{key} expects true or false, got {value!r}")
+        if typ.startswith("list"):
+            text = text.strip("[]")
+            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+        else:
+            value = text
+    try:
+        if typ == "int":
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if typ == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if typ == "bool":
+            if not isinstance(value, bool):
+                raise ValueError
+            return value
+        if typ == "str":
+            if not isinstance(value, str):
+                raise ValueError
+            return value
+        if typ == "list[int]":
+            return [int(v) for v in value]
+        if typ == "list[str]":
+            return [str(v) for v in value]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key} expects a value of type {typ}, got {value!r}") from None
+    raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _suggest(word: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {close[0]}?)" if close else f" (valid: {', '.join(options)})"
+
+
+def apply_overrides(cfg: Config, values: dict[str, Any], source: str = "--set",
+                    warned: set[str] | None = None) -> Config:
+    """Apply ``{"section.key": value}`` (flat, dotted, nested sections allowed) overrides in place, type-checked.
+
+    Deprecated keys (``aliases.py``) are renamed, with one warning line each on stderr (once per key
+    across calls sharing ``warned``)."""
+    for dotted, value in rename_deprecated(values, source, warned).items():
+        if "." not in dotted:
+            raise ConfigError(f"{source}: key {dotted!r} must be dotted as section.key, e.g. train.steps")
+        obj, parts = cfg, dotted.split(".")
+        for i, part in enumerate(parts):
+            fields = {f.name: f for f in dataclasses.fields(obj)}
+            if part not in fields:
+                where = ".".join(parts[:i])
+                what = f"key {dotted!r}" if where else f"section {part!r}"
+                raise ConfigError(f"{source}: unknown {what}{_suggest(part, list(fields))}")
+            if i == len(parts) - 1:
+                if dataclasses.is_dataclass(getattr(obj, part)):
+                    raise ConfigError(f"{source}: {dotted!r} is a section; set one of its keys, e.g. {dotted}."
+                                      f"{dataclasses.fields(getattr(obj, part))[0].name}")
+                setattr(obj, part, _coerce(value, fields[part].type, dotted))
+            else:
+                obj = getattr(obj, part)
+                if not dataclasses.is_dataclass(obj):
+                    raise ConfigError(f"{source}: {'.'.join(parts[:i + 1])!r} is a value, not a section")
+    return cfg
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``key=value`` strings; validated."""
+    cfg, warned = Config(), set()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found: check the path given to --config")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        apply_overrides(cfg, _flatten(data), source=str(path), warned=warned)
+    overrides: dict[str, Any] = {}
+    for item in sets or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set train.steps=10")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v
+    apply_overrides(cfg, overrides, warned=warned)
+    return cfg.validate()

@@ -1,0 +1,119 @@
+"""How the fast circuit trains and is measured: ``[train]`` (with ``[train.lora]``), ``[eval]``, ``[diag]``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from thinpipe.config.errors import ConfigError
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (anchor-priors §6); 0 = full fine-tuning, > 0 trains only peft adapters."""
+    alpha: float = 16.0
+    """LoRA alpha: the adapter update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps runs bitwise repeatable)."""
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names that get adapters (default: every linear map of the decoder layers)."""
+
+    def validate(self) -> None:
+        if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigError(f"train.lora needs rank >= 0, alpha > 0 and 0 <= dropout < 1, got {self.rank}, "
+                              f"{self.alpha}, {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ConfigError("train.lora.target_modules is empty: name the modules to adapt, e.g. [\"q_proj\"]")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 4
+    """Sequences per step per fast replica (split into ``microbatches``)."""
+    seq_len: int = 256
+    """Tokens per packed sequence."""
+    microbatches: int = 1
+    """Microbatches per step; must divide batch_size."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: ``gpipe`` or ``1f1b`` (same numerics; they differ in memory and bubbles)."""
+    lr: float = 2e-5
+    """Peak learning rate (paper App. I.3: 2e-5)."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to this fraction of lr (App. I.3: 0.1)."""
+    warmup_ratio: float = 0.03
+    """Fraction of steps of linear warm-up (App. I.3: 3%)."""
+    grad_clip: float = 0.2
+    """Global gradient-norm clip (App. I.3: 0.2); 0 disables."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    beta1: float = 0.9
+    """AdamW beta1 (App. I.3)."""
+    beta2: float = 0.999
+    """AdamW beta2 (App. I.3)."""
+    seed: int = 0
+    """Seed for initialisation, data order and the masking PRF."""
+    dtype: str = "float32"
+    """Parameter and activation dtype: ``float32`` or ``bfloat16``."""
+    checkpoint_every: int = 50
+    """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
+    optimizer: str = "adamw"
+    """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
+    weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters via peft (train.lora.rank > 0 turns them on)."""
+
+    def validate(self) -> None:
+        self.lora.validate()
+        for name in ("steps", "batch_size", "seq_len", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_size % self.microbatches:
+            raise ConfigError(
+                f"train.microbatches = {self.microbatches} does not divide train.batch_size = {self.batch_size}")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise ConfigError(f"train.schedule must be gpipe or 1f1b, got {self.schedule!r}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"train.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"train.optimizer must be adamw or muon, got {self.optimizer!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DiagConfig:
+    every: int = 0
+    """Every N steps, also compute the clean (unmasked) gradient at the same weights and batch and
+    log its cosine with the masked and the corrected gradient (costs one extra pass; 0 = off)."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"diag.every must be >= 0, got {self.every}")
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalConfig:
+    every: int = 0
+    """Validation loss every N steps (0 = only at the start and the end)."""
+    tasks: list[str] = field(default_factory=list)
+    """Multiple-choice tasks run after training (e.g. ``["arc_easy"]``); empty = none."""
+    limit: int = 100
+    """Items per multiple-choice task."""
+
+    def validate(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
+        if self.limit < 1:
+            raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")
