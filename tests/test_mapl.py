@@ -163,7 +163,7 @@ def test_stage_state_dict_with_the_old_in_anchor_key_loads(offset):
 
 def test_an_old_run_folder_loads(tmp_path, capsys):
     """config.toml with ``[boundary] anchor = ...`` and a checkpoint with ``in_anchor`` keys: load_mesh restores it."""
-    from thinpipe.engine.trainer import load_mesh
+    from thinpipe.runs import load_mesh
     from thinpipe.models import load_model
 
     cfg = mapl_cfg(boundary__offset="full")
