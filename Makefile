@@ -3,7 +3,7 @@ PY      := .venv/bin/python
 STAMP   := .venv/.thinpipe-setup-done
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test bench clean-venv
+.PHONY: setup demo test test-fast bench clean-venv
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The inner loop: everything but the multi-process (`dist`) and the slow or SmolLM2 (`slow`) tests.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not dist" $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) benchmarks/mask_overhead.py

@@ -1,6 +1,7 @@
 """Activation-compression baselines (anchor-priors Table 4): quant4 / quant2, AQ-SGD, TAH-Quant,
 bottleneck. Round-trip error bounds, bytes == formula, AQ-SGD's buffers, the Hadamard transform."""
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -187,6 +188,7 @@ def test_bottleneck_is_a_projection_at_start_and_its_halves_live_on_their_stages
     assert "out_down" in stages[0].boundary_modules and "in_up" in stages[1].boundary_modules
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck"])
 def test_every_new_kind_trains_in_the_engine(kind, tmp_path):
     from thinpipe.engine.run import train
@@ -195,7 +197,7 @@ def test_every_new_kind_trains_in_the_engine(kind, tmp_path):
                  train__steps=3, train__batch_size=2, train__seq_len=32, data__val_rows=4, eval__every=0,
                  train__checkpoint_every=0)
     summary = train(cfg, tmp_path)
-    assert summary["final_val_loss"] == summary["final_val_loss"]  # finite, not NaN
+    assert math.isfinite(summary["final_val_loss"]), summary["final_val_loss"]
     assert summary["bytes_per_token"]["pp_fwd"] > 0
 
 

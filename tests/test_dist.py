@@ -89,6 +89,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
 def test_dist_equals_sim(case, tmp_path, one_thread):
     nproc, args = CASES[case]
@@ -101,6 +102,7 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
     assert len(list((dist_out / "checkpoint").glob("step*/rank*.pt"))) == fast
 
 
+@pytest.mark.slow
 def test_anchor_priors_change_the_trajectory_in_the_equivalence_case(tmp_path):
     """The anchor case above is not vacuous: priors are consumed, and without their share of the
     update (alpha = 1: the inner optimizer alone) the same run takes another trajectory."""
@@ -113,6 +115,7 @@ def test_anchor_priors_change_the_trajectory_in_the_equivalence_case(tmp_path):
     assert a[0][:3] == b[0][:3] and a[0][3:] != b[0][3:]  # the first prior is consumed at step 2
 
 
+@pytest.mark.dist
 def test_anchor_arrival_delivery_and_a_failing_anchor(tmp_path):
     """``arrival``: priors are consumed when they have arrived (realised staleness reported); an
     anchor rank that fails mid-run is reported and the fast circuit finishes without it."""
@@ -206,6 +209,7 @@ class LiveJob:
         self.reader.join(timeout=10)
 
 
+@pytest.mark.dist
 def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
     dead rank (the launcher's root cause, with its role) and every rank's role (start-up lines)."""
@@ -227,6 +231,7 @@ def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     assert "stage 1" in job.text and "fast replica" in job.text
 
 
+@pytest.mark.dist
 def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
     """kill -9 the launcher (as a lost node's torchrun agent would die): its ranks, each in its own
     session, notice and exit within seconds instead of training on as orphans."""
@@ -243,6 +248,7 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
     assert "its launcher" in job.text and "is gone" in job.text
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("case", ["tied Qwen2 + Streaming DiLoCo in flight, GPipe", "MAPL-VQ, 3 stages"])
 def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case, tmp_path):
     nproc, args = CASES[case]
@@ -256,6 +262,7 @@ def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case,
     assert results(part) == results(full)
 
 
+@pytest.mark.dist
 def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoint(tmp_path):
     nproc, args = CASES["mask + PowerSGD, 2 replicas x 2 stages"]
     args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=2"]
@@ -269,6 +276,7 @@ def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoi
     assert results(part) == results(full)
 
 
+@pytest.mark.dist
 def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
     """SIGINT (Ctrl-C) to `thinpipe launch`: it stops every rank (each in its own session, so the
     terminal's signal reaches only the launcher), says so, and exits with 130."""
@@ -284,6 +292,7 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
     assert "interrupted: stopping every rank" in job.text
 
 
+@pytest.mark.dist
 def test_a_killed_anchor_rank_leaves_the_fast_circuit_finishing(tmp_path):
     """kill -9 an anchor rank mid-run (``arrival`` delivery): the launcher warns instead of stopping
     the job, the fast ranks notice the broken link, and the run finishes with anchor_failed set."""
@@ -312,6 +321,7 @@ def _netns_available() -> bool:
     return ok
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
 def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_result(tmp_path, one_thread):
     """`launch --netns`: each rank in its own namespace, the PP link shaped by tc at 1 Mbit/s. The
@@ -332,6 +342,7 @@ def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_resu
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
+@pytest.mark.dist
 @pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
 def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -343,6 +354,7 @@ def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
     assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
 
 
+@pytest.mark.dist
 def test_mapl_pca_start_in_dist_equals_the_simulation(tmp_path, one_thread):
     """The PCA start across ranks (residuals at each sender, SVD, broadcast) gives the simulation's
     projectors: the whole run agrees bitwise."""
@@ -358,6 +370,7 @@ def test_mapl_pca_start_in_dist_equals_the_simulation(tmp_path, one_thread):
     assert results(random)[0][0] != results(tmp_path / "sim")[0][0]  # the start matters
 
 
+@pytest.mark.dist
 def test_ssn_basis_refresh_in_dist_matches_the_simulation(tmp_path, one_thread):
     """SSN with Grassmann refreshes on 2 replicas x 3 stages: bytes equal exactly; losses agree to
     1e-5 relative (dL/dU is summed up the pipeline, not in autograd's order)."""

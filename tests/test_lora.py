@@ -98,6 +98,7 @@ def test_lora_composes_with_masking_the_anchor_circuit_and_diloco():
     assert opt.basis and all("lora_" in n for n in opt.basis)  # the filter acts on adapter matrices
 
 
+@pytest.mark.slow
 def test_train_reports_trainable_params_and_export_merges_adapters(tmp_path):
     from thinpipe.cli import main
     from transformers import AutoModelForCausalLM

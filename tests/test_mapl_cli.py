@@ -14,6 +14,7 @@ ARGS = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set
         "--set", "eval.every=2", "--set", "boundary.rank=16"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mapl", "mapl-vq", "ssn"])
 def test_train_then_analyze(kind, tmp_path, capsys):
     run = tmp_path / kind

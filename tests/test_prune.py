@@ -46,6 +46,7 @@ def test_bad_sparsities_are_refused():
             parse_sparsities(bad)
 
 
+@pytest.mark.slow
 def test_prune_cli_sweeps_a_run_and_loss_grows_with_sparsity(tmp_path, capsys):
     run = tmp_path / "run"
     sets = ["model.name=tiny-llama", "data.name=synthetic", "train.steps=20", "train.batch_size=4",

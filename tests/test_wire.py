@@ -103,6 +103,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.dist
 def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
     script = textwrap.dedent("""
         import sys, time, torch, torch.distributed as dist

