@@ -177,14 +177,27 @@ def test_toy_kind_in_dist_equals_the_simulation_file_by_file(tmp_path, one_threa
     assert_same_run_files(tmp_path / "sim", tmp_path / "dist")
 
 
+FIELD_CASES = {
+    # a built-in kind with DP compression, a checkpoint and a held-out loss every 2 steps
+    "mask + PowerSGD, 2 x 2": (4, ["--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "boundary.kind=mask",
+                                   "--set", "dp.kind=powersgd", "--set", "dp.start_step=1"]),
+    # a learned subspace: the rows' captured energy is measured by each sender rank in dist
+    "MAPL, PCA start, 3 stages": (3, ["--set", "mesh.pp=3", "--set", "boundary.kind=mapl", "--set", "boundary.rank=16",
+                                      "--set", "boundary.init=pca", "--set", "boundary.pca_batches=1"]),
+}
+
+
 @pytest.mark.dist
-def test_dist_run_files_equal_the_simulation_field_by_field(tmp_path, one_thread):
-    """A built-in kind with DP compression and a held-out loss every 2 steps."""
+@pytest.mark.parametrize("case", list(FIELD_CASES))
+def test_dist_run_files_equal_the_simulation_field_by_field(case, tmp_path, one_thread):
+    nproc, extra = FIELD_CASES[case]
     args = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.steps=4",
             "--set", "train.batch_size=2", "--set", "train.seq_len=32", "--set", "train.microbatches=2",
-            "--set", "train.checkpoint_every=2", "--set", "eval.every=2", "--set", "mesh.pp=2", "--set", "mesh.dp=2",
-            "--set", "boundary.kind=mask", "--set", "dp.kind=powersgd", "--set", "dp.start_step=1"]
+            "--set", "train.checkpoint_every=2", "--set", "eval.every=2", *extra]
     assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
-    r = launch(4, tmp_path / "dist", args)
+    r = launch(nproc, tmp_path / "dist", args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run_files(tmp_path / "sim", tmp_path / "dist")
+    if "MAPL" in case:
+        energy = run_files(tmp_path / "dist")[0][1]["captured_energy"]
+        assert len(energy["learned"]) == 2 and all(0 < e <= 1 for e in energy["learned"] + energy["fixed"])

@@ -6,7 +6,7 @@ their transport is an in-process mailbox and their groups in-process collectives
 and every phase of a step runs on all ranks in lockstep: every replica's pipeline schedule ->
 boundary-parameter gradients to their owners -> DP sync per stage -> tied-embedding sync ->
 global-norm clip + optimizer step -> DiLoCo / Streaming DiLoCo outer work -> boundary parameters
-to the other end. With ``mesh.anchor = 1`` an anchor circuit runs an unmasked cycle on the step's
+to the other end -> a boundary stage state's refresh (``StageRank.phases``). With ``mesh.anchor = 1`` an anchor circuit runs an unmasked cycle on the step's
 weights every ``anchor.every`` steps, and the priors due at a step are folded into each stage's
 spectral-correction optimizer just before it steps (§3.2, §3.4).
 """
