@@ -104,9 +104,9 @@ def plot_analysis(result: dict, out: Path, title: str) -> list[Path]:
     return paths
 
 
-def analyze_run(run: str | Path, batches: int = 4) -> tuple[dict, list[Path]]:
+def analyze_run(run: str | Path, batches: int = 4, device: str = "cpu") -> tuple[dict, list[Path]]:
     run = Path(run)
-    cfg, mesh, loaded = load_mesh(run)
+    cfg, mesh, loaded = load_mesh(run, device)
     _, val = build_data(cfg, loaded.tokenizer)
     stream = batch_stream(val, cfg.train.batch_size, cfg.train.seed)
     data = [next(stream) for _ in range(batches)]

@@ -87,6 +87,8 @@ def cmd_plan(args) -> int:
         sets = [f"{k}={v}" for k, v in PRESETS[args.preset].items()]
     cfg = load_config(args.config, sets + args.set)
     name = args.device or PRESET_DEVICE.get(args.preset, "a100-40gb")
+    if cfg.train.dtype == "auto":  # as a run resolves it: bf16 on a GPU, fp32 on the CPU
+        cfg.train.dtype = "float32" if name == "cpu" else "bfloat16"
     if cfg.model.name not in ARCHITECTURES:
         raise ConfigError(f"thinpipe plan knows no architecture {cfg.model.name!r}: choose one of "
                           f"{', '.join(sorted(ARCHITECTURES))}")
@@ -169,7 +171,7 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1 or args.timeout <= 0:
         raise ConfigError(f"--max-new-tokens must be >= 1 and --timeout > 0, got {args.max_new_tokens}, {args.timeout}")
-    logits_fn, tokenizer, model = _eval_model(args.model)
+    logits_fn, tokenizer, model = _eval_model(args.model, args.device)
     from thinpipe.eval import evaluate_mc
     from thinpipe.eval.generative import evaluate_generative, logits_generate
 
@@ -197,7 +199,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _eval_model(spec: str):
+def _eval_model(spec: str, device: str = "cpu"):
     """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
     Hugging Face model or None).
 
@@ -208,6 +210,7 @@ def _eval_model(spec: str):
     from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
     from thinpipe.models.presets import DEFAULT_MODEL
+    from thinpipe.placement import resolve_device
 
     path = Path(spec)
     if path.is_dir() and (path / "checkpoint" / "state.pt").is_file():
@@ -215,13 +218,13 @@ def _eval_model(spec: str):
 
         cfg = load_config(path / "config.toml")
         if cfg.boundary.kind in ARCHITECTURAL_KINDS:
-            _, mesh, loaded = load_mesh(path)
+            _, mesh, loaded = load_mesh(path, device)
             return mesh.logits, loaded.tokenizer, None
-        _, model, tok = load_run(path)
+        _, model, tok = load_run(path, device)
         model.eval()
         return logits_fn_from_model(model), tok, model
     loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
-    loaded.model.eval()
+    loaded.model.to(resolve_device(device)).eval()
     return logits_fn_from_model(loaded.model), loaded.tokenizer, loaded.model
 
 
@@ -247,7 +250,8 @@ def cmd_prune(args) -> int:
     _validate_tasks(tasks)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
-    result = prune_sweep(run, parse_sparsities(args.sparsity), tasks, args.limit, Path(args.out) if args.out else None)
+    result = prune_sweep(run, parse_sparsities(args.sparsity), tasks, args.limit, Path(args.out) if args.out else None,
+                         args.device)
     head = f"{'sparsity':>9}{'zeros':>12}{'held-out':>10}{'ppl':>9}" + "".join(f"{t + ' acc_norm':>22}" for t in tasks)
     print(head)
     for r in result["rows"]:
@@ -262,7 +266,7 @@ def cmd_analyze(args) -> int:
 
     if args.batches < 1:
         raise ConfigError(f"--batches must be >= 1, got {args.batches}")
-    result, paths = analyze_run(args.run, args.batches)
+    result, paths = analyze_run(args.run, args.batches, args.device)
     print(f"{'boundary':<9}{'kind':<9}{'r(90%)':>7}{'r(99%)':>7}{'rank':>6}{'captured':>10}{'fixed':>8}{'pca':>7}"
           f"{'cos r':>7}")
     for row in result["boundaries"]:
@@ -281,6 +285,11 @@ def cmd_demo(args) -> int:
     from thinpipe.demo import run_demo
 
     return run_demo(args.out, quick=args.quick)
+
+
+def _device_arg(p) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N; a run "
+                                                    "loads on any device, whatever it trained on")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -332,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=10.0, help="humaneval / mbpp: seconds per program in the sandbox")
     e.add_argument("--samples", help="write every completion and its verdict to this JSON file")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _device_arg(e)
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="write a run's weights as a Hugging Face model folder")
@@ -346,11 +356,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--tasks", default="", help="also multiple-choice accuracy on these tasks, e.g. arc_easy,piqa")
     pr.add_argument("--limit", type=int, help="items per task")
     pr.add_argument("--out", help="where prune.json / prune.png go (default: RUN/prune)")
+    _device_arg(pr)
     pr.set_defaults(func=cmd_prune)
 
     a = sub.add_parser("analyze", help="boundary spectra, projector angles, captured energy (MAPL Fig. 3-5)")
     a.add_argument("--run", required=True, help="a run folder (config.toml + checkpoint/)")
     a.add_argument("--batches", type=int, default=4, help="validation batches to analyse")
+    _device_arg(a)
     a.set_defaults(func=cmd_analyze)
 
     d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")

@@ -66,12 +66,13 @@ def parse_sparsities(text: str) -> list[float]:
 
 
 def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limit: int | None,
-                out: Path | None = None) -> dict:
+                out: Path | None = None, device: str = "cpu") -> dict:
     """Held-out loss (and MC accuracy on ``tasks``) of ``run``'s model at each sparsity."""
     from tqdm import tqdm
 
 
-    cfg, model, tokenizer = load_run(run)
+    cfg, model, tokenizer = load_run(run, device)
+    dev = next(model.parameters()).device
     model.eval()
     _, val = build_data(cfg, tokenizer)
     # the pruned model is evaluated whole: one stage, a dense boundary, the run's data and batch
@@ -81,7 +82,7 @@ def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limi
     for s in tqdm(sparsities, desc="prune", unit="sparsity"):
         pruned = copy.deepcopy(model)
         stats = global_magnitude_prune(pruned, s)
-        loss = mesh_validation_loss(SimMesh(pruned, eval_cfg), val, cfg.train.batch_size)
+        loss = mesh_validation_loss(SimMesh(pruned, eval_cfg, dev), val, cfg.train.batch_size)
         row = {**stats, "val_loss": loss, "val_ppl": math.exp(loss)}
         with torch.no_grad():
             for t in tasks:

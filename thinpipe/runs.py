@@ -17,28 +17,31 @@ from thinpipe.engine.setup import load
 from thinpipe.engine.sim import SimMesh
 from thinpipe.models import merge_stages
 from thinpipe.models.lora import merge_lora
+from thinpipe.placement import resolve_device
 
 
-def load_mesh(run_dir: str | Path):
-    """(config, mesh restored from the checkpoint, LoadedModel) of a finished or checkpointed run."""
+def load_mesh(run_dir: str | Path, device: str = "cpu"):
+    """(config, mesh restored from the checkpoint on ``device`` (a ``train.device`` value), LoadedModel)
+    of a finished or checkpointed run; the checkpoint loads on any device, whatever it trained on."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.toml").is_file() or not (run_dir / "checkpoint" / "state.pt").is_file():
         raise ConfigError(f"{run_dir} is not a thinpipe run folder (needs config.toml and checkpoint/state.pt)")
     cfg = load_config(run_dir / "config.toml")
+    dev = resolve_device(device)
     loaded = load(cfg)
-    mesh = SimMesh(loaded.model, cfg)
-    mesh.load_state_dict(torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)["mesh"])
+    mesh = SimMesh(loaded.model, cfg, dev)
+    mesh.load_state_dict(torch.load(run_dir / "checkpoint" / "state.pt", map_location="cpu", weights_only=False)["mesh"])
     return cfg, mesh, loaded
 
 
-def load_run(run_dir: str | Path):
-    """(config, merged Hugging Face model, tokenizer) of a finished or checkpointed run."""
-    cfg, mesh, loaded = load_mesh(run_dir)
+def load_run(run_dir: str | Path, device: str = "cpu"):
+    """(config, merged Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run."""
+    cfg, mesh, loaded = load_mesh(run_dir, device)
     if cfg.boundary.kind in ARCHITECTURAL_KINDS:
         raise ConfigError(f"{run_dir} trained with boundary.kind = {cfg.boundary.kind}, whose projectors are part of "
                           "the model: a plain Hugging Face model would drop them. `thinpipe eval --model RUN` evaluates "
                           "it through its boundaries; `thinpipe analyze --run RUN` inspects them")
-    return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])), loaded.tokenizer
+    return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device), loaded.tokenizer
 
 
 def export(run_dir: str | Path, out: str | Path) -> Path:

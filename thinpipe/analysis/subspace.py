@@ -39,7 +39,7 @@ def principal_angle_deg(A: torch.Tensor, B: torch.Tensor) -> float:
 
 
 def captured_energy(X: torch.Tensor, A: torch.Tensor) -> float:
-    return float((X.double() @ A.double()).pow(2).sum() / X.double().pow(2).sum())
+    return float((X.double() @ A.to(X.device, torch.float64)).pow(2).sum() / X.double().pow(2).sum())
 
 
 def cosine_preservation(X: torch.Tensor, A: torch.Tensor, pairs: int = 2000, seed: int = 0):
@@ -48,10 +48,10 @@ def cosine_preservation(X: torch.Tensor, A: torch.Tensor, pairs: int = 2000, see
     i = torch.randint(0, X.shape[0], (pairs,), generator=g)
     j = torch.randint(0, X.shape[0], (pairs,), generator=g)
     keep = i != j
-    i, j = i[keep], j[keep]
+    i, j = i[keep].to(X.device), j[keep].to(X.device)  # drawn on the CPU: the same pairs on every device
     Xd = X.double()
     full = torch.nn.functional.cosine_similarity(Xd[i], Xd[j], dim=-1)
-    P = Xd @ A.double()
+    P = Xd @ A.to(X.device, torch.float64)
     proj = torch.nn.functional.cosine_similarity(P[i], P[j], dim=-1)
     r = float(torch.corrcoef(torch.stack([full, proj]))[0, 1])
     return full, proj, (r if math.isfinite(r) else float("nan"))

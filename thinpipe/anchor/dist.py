@@ -42,6 +42,7 @@ from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import AnchorCycle, Pull, Push
 from thinpipe.dp.powersgd import PowerSGDState
 from thinpipe.log import say
+from thinpipe.placement import device_of, to_device
 
 STOP = -1
 
@@ -271,7 +272,7 @@ class AnchorStageRank:
                 if self.cycles == fault_at_cycle:
                     raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")
                 load_pull(trained(self.stage), pull.tensors["w"])
-                batch = next(self.data)
+                batch = to_device(next(self.data), device_of(self.stage))
                 grads = run_anchor_pass([self.worker], self.order, batch, step, self.cfg.train.microbatches,
                                         self.layout.dp)[0]
                 push = encode_push(grads, self.push, self.wire_dtype)

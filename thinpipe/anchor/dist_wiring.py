@@ -20,12 +20,14 @@ from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config
 from thinpipe.engine.setup import anchor_stream
 from thinpipe.engine.worker import StageWorker
+from thinpipe.placement import device_of
 
 
-def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks):
+def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
+                      device: torch.device):
     """(pull, push) transports of ``stage``'s anchor links; the pull side sends in the background."""
-    pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True)
-    push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage])
+    pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True, device=device)
+    push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage], device=device)
     return pull, push
 
 
@@ -35,10 +37,12 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
     over the anchor row's links (shaped like the fast rows'), its own data shard."""
     m, s = cfg.mesh, stage.index
     dense = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
-    row = DistTransport(layout, me, meter, lambda axis, peer: links.pp("pp_fwd", peer), group=groups.anchor_row)
+    device = device_of(stage)
+    row = DistTransport(layout, me, meter, lambda axis, peer: links.pp("pp_fwd", peer), group=groups.anchor_row,
+                        device=device)
     worker = StageWorker(stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None, row,
                          compute_dtype, axes=("anchor", "anchor"))
-    pull, push = anchor_transports(layout, me, s, groups, meter, links)
+    pull, push = anchor_transports(layout, me, s, groups, meter, links, device)
     return AnchorStageRank(cfg, stage, worker, actions, layout, pull, push, row, meter, wire_dtype,
                            anchor_stream(cfg, train_ds, 0))
 
@@ -46,7 +50,7 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
 def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: ProcessGroups, meter: ByteMeter,
                 links: MeshLinks, wire_dtype) -> AnchorFeed:
     """A fast rank's end of its stage's anchor links."""
-    pull, push = anchor_transports(layout, me, stage.index, groups, meter, links)
+    pull, push = anchor_transports(layout, me, stage.index, groups, meter, links, device_of(stage))
     control = DistGroup(groups.dp[stage.index], cfg.mesh.dp, meter, None)
 
     def agree(count: int) -> int:

@@ -33,7 +33,7 @@ def run_anchor_pass(workers: list[StageWorker], order, batch: dict, step: int, m
     """The unmasked forward-backward of the stages in ``workers`` (one process: all of a replica's
     stages; a real anchor rank: its own), actions in ``order`` as (stage, (kind, microbatch)) pairs;
     returns each stage's gradient (local name -> tensor) and clears it."""
-    ctxs = make_contexts(batch, microbatches, step, replica_tag)
+    ctxs = make_contexts(batch, microbatches, step, replica_tag)  # the batch is on the stages' device
     by_stage = {w.stage.index: w for w in workers}
     for s, (kind, mb) in order:
         (by_stage[s].forward if kind == "F" else by_stage[s].backward)(ctxs[mb])

@@ -48,16 +48,16 @@ class AqsgdBoundary(QuantBoundary):
     def encode(self, x, ctx):
         keys = row_keys(ctx.input_ids)
         a = x.detach().float()
-        new = torch.tensor([k not in self.sent for k in keys])
+        new = torch.tensor([k not in self.sent for k in keys], device=x.device)
         tensors = {}
         if new.any():
             tensors["dense"] = self._to_wire(x[new])
-            for k, row in zip((k for k, n in zip(keys, new) if n), tensors["dense"].float()):
+            for k, row in zip((k for k, n in zip(keys, new.tolist()) if n), tensors["dense"].float()):
                 self.sent[k] = row.clone()  # what the receiver will hold: the wire's rounding included
         old = ~new
         if old.any():
-            old_keys = [k for k, n in zip(keys, new) if not n]
-            m = torch.stack([self.sent[k] for k in old_keys])
+            old_keys = [k for k, n in zip(keys, new.tolist()) if not n]
+            m = torch.stack([self.sent[k] for k in old_keys]).to(a.device)  # a checkpoint loads on the CPU
             codes, lo, step = quantize(a[old] - m, self.fwd_bits, self.group)
             delta = dequantize(codes, lo, step, m.shape)
             for k, row in zip(old_keys, m + delta):
@@ -70,17 +70,18 @@ class AqsgdBoundary(QuantBoundary):
         keys = row_keys(ctx.input_ids)
         t = payload.tensors
         # the receiver's buffers hold the same rows as the sender's: new-ness needs no flag
-        new = torch.tensor([k not in self.received for k in keys])
-        out = torch.empty(*ctx.input_ids.shape, self.hidden_size)
+        device = next(iter(t.values())).device
+        new = torch.tensor([k not in self.received for k in keys], device=device)
+        out = torch.empty(*ctx.input_ids.shape, self.hidden_size, device=device)
         if new.any():
             dense = t["dense"].float()
             out[new] = dense
-            for k, row in zip((k for k, n in zip(keys, new) if n), dense):
+            for k, row in zip((k for k, n in zip(keys, new.tolist()) if n), dense):
                 self.received[k] = row.clone()
         old = ~new
         if old.any():
-            old_keys = [k for k, n in zip(keys, new) if not n]
-            m = torch.stack([self.received[k] for k in old_keys])
+            old_keys = [k for k, n in zip(keys, new.tolist()) if not n]
+            m = torch.stack([self.received[k] for k in old_keys]).to(device)
             codes = unpack_bits(t["codes"], self.fwd_bits, m.numel()).reshape(-1, self.group)
             updated = m + dequantize(codes, t["offset"], t["step"], m.shape)
             for k, row in zip(old_keys, updated):

@@ -31,18 +31,18 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in [1, 8], got {bits}")
     flat = codes.reshape(-1).to(torch.int32)
-    planes = ((flat[:, None] >> torch.arange(bits, dtype=torch.int32)) & 1).reshape(-1)
+    planes = ((flat[:, None] >> torch.arange(bits, dtype=torch.int32, device=flat.device)) & 1).reshape(-1)
     pad = (-planes.numel()) % 8
     if pad:
         planes = torch.cat([planes, planes.new_zeros(pad)])
-    return (planes.reshape(-1, 8) << torch.arange(8, dtype=torch.int32)).sum(1).to(torch.uint8)
+    return (planes.reshape(-1, 8) << torch.arange(8, dtype=torch.int32, device=flat.device)).sum(1).to(torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: the first ``count`` codes, int64."""
-    planes = ((packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32)) & 1).reshape(-1)
+    planes = ((packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)
     planes = planes[:count * bits].reshape(count, bits)
-    return (planes << torch.arange(bits, dtype=torch.int32)).sum(1).to(torch.int64)
+    return (planes << torch.arange(bits, dtype=torch.int32, device=packed.device)).sum(1).to(torch.int64)
 
 
 def packed_bytes(count: int, bits: int) -> int:

@@ -49,7 +49,7 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 def code_entropy(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Shannon entropy (bits) of each row's code histogram."""
-    counts = torch.zeros(codes.shape[0], 2 ** bits).scatter_add_(1, codes, torch.ones_like(codes, dtype=torch.float))
+    counts = torch.zeros(codes.shape[0], 2 ** bits, device=codes.device).scatter_add_(1, codes, torch.ones_like(codes, dtype=torch.float))
     p = counts / codes.shape[1]
     return -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
 
@@ -76,18 +76,18 @@ class TahQuantBoundary(QuantBoundary):
         rms = t.pow(2).mean(1).sqrt()
         absmax, pivot = t.abs().max(1)
         rotate = absmax > self.outlier_ratio * rms.clamp_min(1e-30)
-        meta = torch.zeros(t.shape[0], dtype=torch.uint8)
+        meta = torch.zeros(t.shape[0], dtype=torch.uint8, device=t.device)
         if rotate.any():
             r = t[rotate]
             p = pivot[rotate]
-            rows = torch.arange(r.shape[0])
+            rows = torch.arange(r.shape[0], device=t.device)
             first = r[:, 0].clone()
             r[:, 0] = r[rows, p]
             r[rows, p] = first
             t[rotate] = hadamard(r)
             meta[rotate] = (p + 1).to(torch.uint8)
         codes, lo, step = quantize(t, b, G)
-        high = torch.zeros(t.shape[0], dtype=torch.bool)
+        high = torch.zeros(t.shape[0], dtype=torch.bool, device=t.device)
         n_high = self.high_tiles(t.shape[0])
         if n_high:
             high[code_entropy(codes, b).topk(n_high).indices] = True
@@ -107,7 +107,7 @@ class TahQuantBoundary(QuantBoundary):
         meta = p["meta"]
         high = (meta & HIGH_BIT).bool()
         tiles = meta.shape[0]
-        t = torch.empty(tiles, G)
+        t = torch.empty(tiles, G, device=meta.device)
         lo, step = p["offset"], p["step"]
         low = ~high
         t[low] = dequantize(unpack_bits(p["codes"], b, int(low.sum()) * G).reshape(-1, G), lo[low], step[low],
@@ -120,7 +120,7 @@ class TahQuantBoundary(QuantBoundary):
         if rotated.any():
             r = hadamard(t[rotated])
             pv = pivot[rotated]
-            rows = torch.arange(r.shape[0])
+            rows = torch.arange(r.shape[0], device=r.device)
             first = r[:, 0].clone()
             r[:, 0] = r[rows, pv]
             r[rows, pv] = first

@@ -46,7 +46,7 @@ def rvq_decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """codes (N, R, G) -> (N, G, g): the sum over rounds of the chosen codes."""
     R, G, K, g = codebooks.shape
     flat = codebooks.reshape(R * G, K, g)
-    rows = (torch.arange(R)[:, None] * G + torch.arange(G)[None, :]).reshape(-1)   # (R*G,)
+    rows = (torch.arange(R, device=codes.device)[:, None] * G + torch.arange(G, device=codes.device)[None, :]).reshape(-1)   # (R*G,)
     picked = flat[rows[None, :], codes.reshape(codes.shape[0], -1).long()]         # (N, R*G, g)
     return picked.reshape(codes.shape[0], R, G, g).sum(1)
 
@@ -59,7 +59,7 @@ def ema_update(live: torch.Tensor, counts: torch.Tensor, sums: torch.Tensor, u: 
     residual = u
     for k in range(live.shape[0]):
         idx = torch.cdist(residual.transpose(0, 1), live[k]).argmin(-1)          # (G, N)
-        onehot = torch.zeros(idx.shape[0], idx.shape[1], live.shape[2], dtype=u.dtype)
+        onehot = torch.zeros(idx.shape[0], idx.shape[1], live.shape[2], dtype=u.dtype, device=u.device)
         onehot.scatter_(2, idx.unsqueeze(-1), 1.0)                                # (G, N, K)
         counts[k].mul_(decay).add_(onehot.sum(1), alpha=1 - decay)
         sums[k].mul_(decay).add_(torch.einsum("gnk,ngd->gkd", onehot, residual), alpha=1 - decay)
@@ -98,7 +98,7 @@ class StreamingCodebook(nn.Module):
     def _slots(self, n: int) -> torch.Tensor:
         K = self.order.numel()
         start = (n * self.sync_codes) % K
-        return self.order[(start + torch.arange(self.sync_codes)) % K]
+        return self.order[(start + torch.arange(self.sync_codes, device=self.order.device)) % K]
 
     @torch.no_grad()
     def sender_encode(self, u: torch.Tensor, learn: bool, sync: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,4 +1,4 @@
-"""Point-to-point payload transport over torch.distributed (gloo; CPU tensors).
+"""Point-to-point payload transport over torch.distributed (gloo: host tensors on the wire).
 
 The same ``send(tag, payload, axis)`` / ``recv(tag)`` interface as the in-process ``Mailbox``, so
 a stage worker runs unchanged; a tag (``tags.py``) names its peer rank (the other end of its link
@@ -15,6 +15,9 @@ latency) and a sender thread (``DueQueue``) posts it then, so the stage computes
 message is "on the wire" as with a real NIC, messages in flight overlap their latencies, and
 messages on one link keep their order (``link_for`` gives one link per peer for every shaped
 axis; an unshaped message is posted at once). The link carries the header too: it is on a real wire.
+
+A rank that computes on a GPU (``device``) stages each tensor to pinned host memory on send and
+moves what it receives to its device (``staging.py``); the bytes, headers and tags are a CPU rank's.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import DueQueue, ShapedLink
+from thinpipe.comm.staging import to_device, to_host
 from thinpipe.comm.tags import Tag, check_tag
 from thinpipe.comm.header import HEADER_BYTES, HEADER_SLOTS, decode_header, encode_header
 
@@ -41,14 +45,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 class DistTransport:
     def __init__(self, layout, me: int, meter: ByteMeter,
                  link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None,
-                 background: bool = False):
+                 background: bool = False, device: torch.device | None = None):
         """``background``: every send goes through the sender thread, which also waits for it to
         complete, so ``idle()`` can tell without blocking whether anything is still on its way
         (gloo's ``Work.is_completed`` never turns true for point-to-point operations)."""
         self.layout, self.me, self.meter = layout, me, meter
         self.link_for = link_for or (lambda axis, peer: None)
         self.group = group
-        self.background = background
+        self.background, self.device = background, device
         self.header_bytes = 0
         self._pending: list[tuple[object, torch.Tensor]] = []
         self._lock = threading.Lock()
@@ -76,7 +80,7 @@ class DistTransport:
         """``metered``: the bytes to count on ``axis`` when part of the payload is protocol (a step
         number, say) rather than data the simulation counts; None = the whole payload."""
         peer, ch = self._route(tag)
-        parts = [encode_header(payload)] + [_as_bytes(t) for t in payload.tensors.values()]
+        parts = [encode_header(payload)] + [_as_bytes(to_host(t)) for t in payload.tensors.values()]
         link = self.link_for(axis, peer)
         if link is None and not self.background:
             self._post(peer, ch, parts)
@@ -101,7 +105,7 @@ class DistTransport:
             raw = torch.empty(n * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
             dist.recv(raw, peer, group=self.group, tag=ch)
             t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
-            tensors[name] = t.reshape(shape)
+            tensors[name] = to_device(t.reshape(shape), self.device)
         return Payload(tensors)
 
     def idle(self) -> bool:
@@ -126,16 +130,16 @@ class DistTransport:
             self._sender.close()
 
 
-def broadcast_payload(payload: Payload | None, src: int, group) -> Payload:
+def broadcast_payload(payload: Payload | None, src: int, group, device: torch.device | None = None) -> Payload:
     """``src``'s payload on every member of ``group``, as header + raw bytes (no pickle): the
-    receivers allocate what the validated header describes."""
+    receivers allocate what the validated header describes; every member gets it on ``device``."""
     me = dist.get_rank()
     header = encode_header(payload) if me == src else torch.empty(HEADER_SLOTS, dtype=torch.int64)
     dist.broadcast(header, src, group=group)
     tensors = {}
     for i, (name, dtype, shape) in enumerate(decode_header(header)):
         if me == src:
-            raw = _as_bytes(payload.tensors[name]).clone()
+            raw = _as_bytes(to_host(payload.tensors[name])).clone()
         else:
             n = 1
             for d in shape:
@@ -143,5 +147,5 @@ def broadcast_payload(payload: Payload | None, src: int, group) -> Payload:
             raw = torch.empty(n * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
         dist.broadcast(raw, src, group=group)
         t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
-        tensors[name] = t.reshape(shape)
+        tensors[name] = to_device(t.reshape(shape), device)
     return Payload(tensors)

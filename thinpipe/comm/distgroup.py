@@ -11,6 +11,10 @@ A shaped group (``rate_mbps`` > 0) models a ring all-reduce over links of that r
 collective is posted at once, but its ``Work`` completes no earlier than post time + 2 (n-1)/n x
 bytes / rate + 2 (n-1) x latency, so a caller that waits later (Streaming DiLoCo's overlap) finds
 it done, and one that waits at once pays the transfer.
+
+A GPU rank's collectives run on host copies (gloo, as the wire): ``all_reduce`` posts on a pinned
+copy and its ``Work`` copies the sum back when waited on; ``all_gather`` returns host tensors moved
+to the member's device. The sums are those of a CPU rank (elementwise fp32 adds in rank order).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from thinpipe.comm.meter import ByteMeter
+from thinpipe.comm.staging import StagedWork, to_device, to_host
 
 
 class _Done:
@@ -60,7 +65,10 @@ class DistGroup:
             self.meter.add(self.axis, nbytes)
         if self.size == 1:
             return _Done()
-        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        host = to_host(tensor)
+        work = dist.all_reduce(host, group=self.group, async_op=True)
+        if host is not tensor:
+            work = StagedWork(work, host, tensor)
         if not self.rate_mbps and not self.latency_ms:
             return work
         start = max(time.perf_counter(), self._free_at)
@@ -72,7 +80,7 @@ class DistGroup:
             self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
         if self.size == 1:
             return _Done(), [tensor.clone()]
-        return _Done(), gather_1d(tensor, self.size, self.group)
+        return _Done(), [to_device(t, tensor.device) for t in gather_1d(to_host(tensor), self.size, self.group)]
 
 
 def gather_1d(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:

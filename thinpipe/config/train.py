@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from thinpipe.config.errors import ConfigError
@@ -56,8 +57,15 @@ class TrainConfig:
     """AdamW beta2 (App. I.3)."""
     seed: int = 0
     """Seed for initialisation, data order and the masking PRF."""
-    dtype: str = "float32"
-    """Parameter and activation dtype: ``float32`` or ``bfloat16``."""
+    dtype: str = "auto"
+    """Compute precision: ``float32``, ``bfloat16`` (autocast; fp32 master weights, loss and optimizer) or
+    ``auto``: bfloat16 on CUDA, float32 on the CPU (``thinpipe/placement.py`` says why)."""
+    device: str = "auto"
+    """Where stages compute: ``auto`` (CUDA when available), ``cpu``, ``cuda`` (a dist rank takes
+    ``cuda:(LOCAL_RANK mod GPUs)``, the simulation ``cuda:0``) or ``cuda:N``."""
+    deterministic: bool = False
+    """CUDA only: refuse kernels without a deterministic implementation (slower; CPU runs are always
+    deterministic)."""
     checkpoint_every: int = 50
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
     optimizer: str = "adamw"
@@ -84,8 +92,10 @@ class TrainConfig:
             raise ConfigError(f"train.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.grad_clip < 0:
             raise ConfigError(f"train.grad_clip must be >= 0 (0 disables), got {self.grad_clip}")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"train.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"train.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.optimizer not in ("adamw", "muon"):

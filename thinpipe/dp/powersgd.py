@@ -57,10 +57,11 @@ class PowerSGDState:
     q: dict[str, torch.Tensor] = field(default_factory=dict)
     error: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def initial_q(self, name: str, m: int, r: int, dtype) -> torch.Tensor:
-        # Same seed on every worker: the Qs must agree for P = M Q to be summable.
+    def initial_q(self, name: str, m: int, r: int, dtype, device=None) -> torch.Tensor:
+        # Same seed on every worker: the Qs must agree for P = M Q to be summable. Drawn on a CPU
+        # generator and moved, so a GPU worker starts from the same Q as a CPU one.
         gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}:{name}".encode()))
-        return torch.randn(m, r, generator=gen, dtype=dtype)
+        return torch.randn(m, r, generator=gen, dtype=dtype).to(device)
 
     def state_dict(self) -> dict:
         return {"step": self.step, "q": dict(self.q), "error": dict(self.error)}
@@ -118,12 +119,13 @@ def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], gro
     if mats:
         for name, M, r in mats:
             if name in state.error:
-                M += state.error[name]
+                M += state.error[name].to(M.device)  # a checkpoint loads state on the CPU
         local = {name: M.clone() for name, M, _ in mats}
         qs = {}
         for name, M, r in mats:
             q = state.q.get(name)
-            qs[name] = orthonormalize(q.clone() if q is not None else state.initial_q(name, M.shape[1], r, M.dtype))
+            qs[name] = orthonormalize(q.to(M.device, copy=True) if q is not None
+                                      else state.initial_q(name, M.shape[1], r, M.dtype, M.device))
         ps = torch.cat([(M @ qs[name]).reshape(-1) for name, M, _ in mats])
         yield group.all_reduce(rank, ps)          # sum: P is orthonormalised next anyway
         offset, p_of = 0, {}

@@ -1,4 +1,4 @@
-"""One rank of the mesh as a real process on torch.distributed (gloo; the stages compute on CPU today).
+"""One rank of the mesh as a real process on torch.distributed (gloo on the wire; stages on CPU or CUDA).
 
 Launched by torchrun (``torchrun --nproc-per-node N -m thinpipe train --engine dist ...`` or
 ``thinpipe launch``): every process derives the same ``MeshLayout`` and ``ProcessGroups`` from the
@@ -7,7 +7,9 @@ config, builds the model, keeps its own stage and the boundaries it touches, and
 payloads and ``DistGroup`` collectives. A fast rank is an engine of the run loop (``run.py``: the
 same loop, rows and summary as the simulation); an anchor rank runs its cycles (``anchor/dist.py``)
 until the fast circuit stops it. Everything ranks exchange after start-up is tensors (validated
-payload headers, fixed-size collectives), never pickled objects. Not yet (use the simulation):
+payload headers, fixed-size collectives), never pickled objects. A rank computes on
+``train.device`` (``cuda``: ``cuda:(LOCAL_RANK mod GPUs)``); what it sends is staged through host
+memory (``comm/staging.py``). Not yet (use the simulation):
 gradient diagnostics, resuming a run with an anchor circuit.
 """
 
@@ -41,13 +43,14 @@ from thinpipe.engine.context import make_contexts
 from thinpipe.engine.passes import pipeline_loss, residual_pass, residual_start_boundaries
 from thinpipe.engine.run import run
 from thinpipe.engine.schedule import SCHEDULES
-from thinpipe.engine.setup import (DTYPES, build_data, load, lr_at, replica_stream, residual_batches, val_batches,
-                                   wire_dtype)
+from thinpipe.engine.setup import (DTYPES, build_data, load, lr_at, place, replica_stream, residual_batches,
+                                   val_batches, wire_dtype)
 from thinpipe.engine.sim_engine import atomic_save
 from thinpipe.log import say
 from thinpipe.data import PackedDataset
 from thinpipe.mesh import MeshLayout, Role
 from thinpipe.models import Stage, build_stages
+from thinpipe.placement import local_rank, to_device
 
 
 def check_supported(cfg: Config, resume: bool = False) -> None:
@@ -73,6 +76,7 @@ class RankSetup:
     val_ds: PackedDataset
     hidden_size: int
     actions: list           # this stage's row of the pipeline schedule
+    device: torch.device    # where this rank computes
 
     @staticmethod
     def build(cfg: Config) -> RankSetup:
@@ -80,6 +84,7 @@ class RankSetup:
         layout = MeshLayout(m.dp, m.pp, m.anchor)
         layout.check_world(dist.get_world_size())
         role = layout.role(dist.get_rank())
+        device = place(cfg, local_rank())
         loaded = load(cfg)
         train_ds, val_ds = build_data(cfg, loaded.tokenizer)
         stages = build_stages(loaded.model, m.split or None, m.pp)
@@ -87,9 +92,11 @@ class RankSetup:
         bounds = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire_dtype(cfg), loaded.model)
         for b in bounds:
             b.attach(stages[b.index], stages[b.index + 1])
+        for module in [stages[role.stage], *bounds]:
+            module.to(device)  # after attach: the owned boundary modules move with their stage
         groups = ProcessGroups.build(layout)  # every process, every group, the same order
         return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
-                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage])
+                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device)
 
 
 def anchor_rank(r: RankSetup) -> AnchorStageRank:
@@ -104,11 +111,11 @@ class DistEngine:
         cfg, m, s = r.cfg, r.cfg.mesh, r.role.stage
         self.cfg, self.layout, self.role, self.groups = cfg, r.layout, r.role, r.groups
         self.stage, self.bounds, self.train_ds, self.val_ds, self.actions = r.stage, r.bounds, r.train_ds, r.val_ds, r.actions
-        self.rank, self.world_size = r.role.rank, r.layout.world_size
+        self.rank, self.world_size, self.device = r.role.rank, r.layout.world_size, r.device
         self.lead = self.rank == 0
         self.meter = ByteMeter()
-        self.transport = DistTransport(self.layout, self.rank, self.meter, r.links.pp)
-        self.eval_transport = DistTransport(self.layout, self.rank, ByteMeter())  # not training's traffic
+        self.transport = DistTransport(self.layout, self.rank, self.meter, r.links.pp, device=r.device)
+        self.eval_transport = DistTransport(self.layout, self.rank, ByteMeter(), device=r.device)  # not training's
         self.in_b = r.bounds[s - 1] if s else None
         self.out_b = r.bounds[s] if s < m.pp - 1 else None
         links = r.links
@@ -143,7 +150,7 @@ class DistEngine:
                     pass
             src = self.layout.grid[0][p]
             payload = self.out_b.init_from_residuals(torch.cat(out[p])) if self.rank == src else None
-            payload = broadcast_payload(payload, src, self.groups.fast)
+            payload = broadcast_payload(payload, src, self.groups.fast, self.device)
             for b in (self.in_b, self.out_b):
                 if b is not None and b.index == p:
                     b.load_init(payload)
@@ -155,7 +162,7 @@ class DistEngine:
         cfg, rk = self.cfg, self.rk
         if self._stream is None:
             self._stream = replica_stream(cfg, self.train_ds, self.role.replica, step)
-        batch = next(self._stream)
+        batch = to_device(next(self._stream), self.device)
         rk.begin_step(step)
         if self.feed is not None:
             self.feed.maybe_pull(step)  # w_t: the weights this step's forward uses
@@ -247,7 +254,8 @@ class DistEngine:
         if latest["world_size"] != self.world_size:
             raise ConfigError(f"--resume: the checkpoint was written by {latest['world_size']} ranks, this job has "
                               f"{self.world_size}")
-        state = torch.load(folder / f"step{latest['step']}" / f"rank{self.rank}.pt", weights_only=False)
+        state = torch.load(folder / f"step{latest['step']}" / f"rank{self.rank}.pt", map_location="cpu",
+                           weights_only=False)
         self.step_index = state["step"]
         for b in (self.in_b, self.out_b):
             if b is not None:
@@ -322,8 +330,9 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         # A peer that dies leaves the others blocked in a receive or collective: they give up after
         # this many seconds with an error instead of hanging (torchrun tears a local job down sooner).
         timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
-        # gloo even where CUDA exists: every engine keeps its tensors on the CPU so far, and NCCL
-        # moves only CUDA tensors (GPU placement is future work, see docs/distributed.md).
+        # gloo even where CUDA exists: the wire is TCP between machines on thin links, and a GPU
+        # rank stages what it sends through host memory (comm/staging.py, docs/gpu.md), so message
+        # order, tags and sums do not depend on the backend.
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
     rank = None
     try:

@@ -24,6 +24,7 @@ from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.comm.tags import EvalActivation
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.rank import DONE
+from thinpipe.placement import autocast, device_of, to_device
 
 
 def eval_boundary(b: Boundary) -> Boundary:
@@ -41,7 +42,7 @@ def residual_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
     if s > last:
         return
     for i, batch in enumerate(batches):
-        ctx = make_contexts(batch, 1, step, 0)[0]
+        ctx = make_contexts(to_device(batch, device_of(stage)), 1, step, 0)[0]
         key = ("residuals", last, i)
         if s == 0:
             x = ctx.input_ids
@@ -76,6 +77,7 @@ def pipeline_loss(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
     count), the others (0.0, 0)."""
     total, n = 0.0, 0
     for i, batch in enumerate(batches):
+        batch = to_device(batch, device_of(stage))
         ctx = make_contexts(batch, 1, step, 0)[0]
         ctx.loss_scale = 1.0
         if stage.is_first:
@@ -83,7 +85,7 @@ def pipeline_loss(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
         else:
             x = receiver_forward(eval_boundary(in_b), transport.recv(EvalActivation(0, stage.index - 1, ("val", i))),
                                  ctx, torch.float32)[1]
-        with torch.autocast("cpu", dtype=compute_dtype, enabled=compute_dtype != torch.float32):
+        with autocast(device_of(stage), compute_dtype):
             x = stage(x, ctx)
         if stage.is_last:
             total += float(x)

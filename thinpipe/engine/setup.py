@@ -13,9 +13,18 @@ from thinpipe.data import PackedDataset, batches, build_dataset
 from thinpipe.models import LoadedModel, load_model
 from thinpipe.models.lora import apply_lora
 from thinpipe.optim import cosine_with_warmup
+from thinpipe.placement import DTYPES, compute_dtype_name, resolve_device, use_deterministic
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PCA_SEED_OFFSET = 1_000_003  # the residual start's own data stream: the training order stays a random start's
+
+
+def place(cfg: Config, local_rank: int | None = None) -> torch.device:
+    """This process's device (``train.device``); resolves ``train.dtype = auto`` on it in ``cfg``, so
+    that the run folder's config records the precision the run used (a resume keeps it)."""
+    device = resolve_device(cfg.train.device, local_rank)
+    cfg.train.dtype = compute_dtype_name(cfg.train.dtype, device)
+    use_deterministic(cfg.train.deterministic, device)
+    return device
 
 
 def wire_dtype(cfg: Config) -> torch.dtype | None:

@@ -9,6 +9,9 @@ global-norm clip + optimizer step -> DiLoCo / Streaming DiLoCo outer work -> bou
 to the other end -> a boundary stage state's refresh (``StageRank.phases``). With ``mesh.anchor = 1`` an anchor circuit runs an unmasked cycle on the step's
 weights every ``anchor.every`` steps, and the priors due at a step are folded into each stage's
 spectral-correction optimizer just before it steps (§3.2, §3.4).
+
+Every stage, boundary and the anchor's stages compute on one ``device`` (``thinpipe/placement.py``:
+one object holds both ends of a boundary here, so the simulation does not split across GPUs).
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ from thinpipe.engine.passes import residual_pass, residual_start_boundaries
 from thinpipe.engine.schedule import SCHEDULES, serial_order
 from thinpipe.engine.setup import DTYPES, lr_at, wire_dtype
 from thinpipe.models.stages import Stage, build_stages, tied_pair
+from thinpipe.placement import autocast, compute_dtype_name, to_device
 
 __all__ = ["DTYPES", "SimMesh", "wire_dtype"]
 
 
 class SimMesh:
-    def __init__(self, model, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, model, cfg: Config, device: torch.device = torch.device("cpu")):
+        self.cfg, self.device = cfg, device
         t, m = cfg.train, cfg.mesh
-        self.compute_dtype = DTYPES[t.dtype]
+        self.compute_dtype = DTYPES[compute_dtype_name(t.dtype, device)]
         on_wire = wire_dtype(cfg)
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
@@ -49,6 +53,8 @@ class SimMesh:
         for stages, bounds in zip(self.replicas, self.replica_boundaries):
             for b in bounds:
                 b.attach(stages[b.index], stages[b.index + 1])
+            for module in [*stages, *bounds]:
+                module.to(device)  # after attach: the owned boundary modules move with their stage
         self.boundaries = self.replica_boundaries[0]
         # One rank per (replica, stage), exactly what a process of the real mesh runs; the groups
         # and the mailbox are their in-process transport. Each stage has one DP group (metered on
@@ -67,6 +73,9 @@ class SimMesh:
         self.tied = [tied_pair(stages) if cfg.model.tied == "sync" else None for stages in self.replicas]
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, on_wire, self.compute_dtype,
                                         replica_tag=m.dp) if m.anchor else None)
+        if self.anchor is not None:
+            for st in self.anchor.stages:
+                st.to(device)
         self.priors_consumed = 0
         self.last_diagnostics: dict | None = None
         self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
@@ -88,6 +97,7 @@ class SimMesh:
         return [torch.cat(out[b.index]) for b in self.boundaries]
 
     def _residual_phase(self, batches: list[dict], at: set[int], out: dict) -> None:
+        batches = [to_device(b, self.device) for b in batches]
         embed = self.replicas[0][0].embed_tokens
         drive_lockstep(residual_pass(rk.stage, rk.in_boundary, rk.out_boundary, self.mailbox, batches, at,
                                      self.step_index, out, embed) for rk in self.ranks[0])
@@ -109,7 +119,7 @@ class SimMesh:
         mean over replicas of the (token-mean) training loss."""
         losses = []
         for r, batch in enumerate(batches):
-            ctxs = make_contexts(batch, self.cfg.train.microbatches, self.step_index, r)
+            ctxs = make_contexts(to_device(batch, self.device), self.cfg.train.microbatches, self.step_index, r)
             workers = self.workers[r]
             last = workers[-1]
             last.losses.clear()
@@ -125,7 +135,8 @@ class SimMesh:
         if self.anchor is not None and self.anchor.starts_at(self.step_index):
             if anchor_batch is None:
                 raise ValueError("the anchor circuit starts a cycle at this step but got no batch")
-            self.anchor.run_cycle(self.step_index, self.replicas[0], anchor_batch, self.cfg.mesh.dp)
+            self.anchor.run_cycle(self.step_index, self.replicas[0], to_device(anchor_batch, self.device),
+                                  self.cfg.mesh.dp)
 
     def sync_boundary_grads(self) -> None:
         """Receivers return their gradient contributions to shared boundary parameters to the owners
@@ -161,6 +172,7 @@ class SimMesh:
     @torch.no_grad()
     def eval_loss(self, batch: dict, replica: int = 0) -> tuple[float, int]:
         """Unmasked, dense held-out loss of one replica: (sum of token losses, token count)."""
+        batch = to_device(batch, self.device)
         ctx = make_contexts(batch, 1, self.step_index, replica)[0]
         n = int((batch["labels"][:, 1:] != -100).sum())
         ctx.loss_scale = 1.0
@@ -169,7 +181,7 @@ class SimMesh:
             if s and self.boundaries[s - 1].architectural:  # part of the model: evaluate through it
                 b = self.replica_boundaries[replica][s - 1]
                 x = through(b, x, ctx)
-            with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            with autocast(self.device, self.compute_dtype):
                 x = st(x, ctx)
         return float(x), n
 
@@ -177,6 +189,7 @@ class SimMesh:
     def logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, replica: int = 0) -> torch.Tensor:
         """Vocabulary logits (B, T, V) of replica ``replica``'s model, through architectural
         boundaries (dense otherwise); ``attention_mask`` (B, T) marks real tokens with 1."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         seg = torch.where(attention_mask.bool(), 0, -1)
         pos, mask = positions_and_mask(seg)
         ctx = MicrobatchContext(self.step_index, 0, replica, input_ids, torch.full_like(input_ids, -100), pos, mask, 1.0)
@@ -186,7 +199,7 @@ class SimMesh:
             if s and self.boundaries[s - 1].architectural:
                 b = self.replica_boundaries[replica][s - 1]
                 x = through(b, x, ctx)
-            with torch.autocast("cpu", dtype=self.compute_dtype, enabled=self.compute_dtype != torch.float32):
+            with autocast(self.device, self.compute_dtype):
                 x = st.hidden_states(x, ctx)
         return stages[-1].logits(x).float()
 

@@ -15,11 +15,14 @@ import torch
 
 from thinpipe.analysis import energy_vs_fixed
 from thinpipe.config import Config, ConfigError
-from thinpipe.engine.setup import anchor_stream, build_data, load, replica_stream, residual_batches, val_batches
+from thinpipe.engine.setup import anchor_stream, build_data, load, place, replica_stream, residual_batches, val_batches
 from thinpipe.engine.sim import SimMesh
+from thinpipe.placement import on_host
 
 
 def atomic_save(obj, path: Path) -> None:
+    """``obj`` written to ``path`` all or nothing, its tensors on the CPU (a run moves between machines)."""
+    obj = on_host(obj)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
@@ -49,10 +52,11 @@ class SimEngine:
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.device = place(cfg)
         loaded = load(cfg)
         self.tokenizer = loaded.tokenizer
         self.train_ds, self.val_ds = build_data(cfg, loaded.tokenizer)
-        self.mesh = SimMesh(loaded.model, cfg)
+        self.mesh = SimMesh(loaded.model, cfg, self.device)
         self.world_size = (cfg.mesh.dp + cfg.mesh.anchor) * cfg.mesh.pp
         self._streams = None
 
@@ -101,7 +105,7 @@ class SimEngine:
         path = folder / "state.pt"
         if not path.is_file():
             raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=False)
         self.mesh.load_state_dict(state.pop("mesh"))
         return self.mesh.step_index, state
 

@@ -6,14 +6,13 @@ The same worker serves the single-process simulation (in-process mailbox) and re
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from thinpipe.boundary import Boundary
 from thinpipe.comm.tags import Activation, Gradient
 from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
 from thinpipe.models.stages import Stage
+from thinpipe.placement import autocast, device_of
 
 
 class StageWorker:
@@ -27,9 +26,7 @@ class StageWorker:
         self.losses: list[float] = []
 
     def _autocast(self):
-        if self.compute_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.compute_dtype)
+        return autocast(device_of(self.stage), self.compute_dtype)
 
     def forward(self, ctx) -> None:
         saved = self._saved.setdefault(ctx.microbatch, {})

@@ -81,7 +81,8 @@ def greedy_generate(model, tokenizer, prompt: str, stop: list[str], max_new_toke
     """Greedy continuation of ``prompt`` with the model's KV cache, cut at the first stop sequence."""
     ids = list(tokenizer.encode(prompt, add_special_tokens=False))
     ids = ids[-(max_len - max_new_tokens):]  # keep the end of an over-long prompt
-    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
     past, new = out.past_key_values, []
     for _ in range(max_new_tokens):
         nxt = int(out.logits[0, -1].argmax())
@@ -91,7 +92,7 @@ def greedy_generate(model, tokenizer, prompt: str, stop: list[str], max_new_toke
         text = tokenizer.decode(new)
         if any(s in text for s in stop):
             break
-        out = model(input_ids=torch.tensor([[nxt]]), past_key_values=past, use_cache=True)
+        out = model(input_ids=torch.tensor([[nxt]], device=device), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return truncate_at_stop(tokenizer.decode(new), stop)
 

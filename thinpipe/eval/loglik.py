@@ -67,8 +67,10 @@ def encode_pair(
 def logits_fn_from_model(model: torch.nn.Module) -> LogitsFn:
     """``logits_fn`` for a Hugging Face causal LM (``model(input_ids, attention_mask).logits``)."""
 
+    device = next(model.parameters()).device
+
     def fn(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
 
     return fn
 

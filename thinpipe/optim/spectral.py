@@ -40,7 +40,7 @@ def randomized_svd(M: torch.Tensor, rank: int, generator: torch.Generator, power
     """Rank-r SVD by a seeded randomized range finder (Halko et al. 2011) with power iterations."""
     m, n = M.shape
     q = min(rank + 8, m, n)  # oversampling
-    omega = torch.randn(n, q, generator=generator, dtype=M.dtype)
+    omega = torch.randn(n, q, generator=generator, dtype=M.dtype).to(M.device)  # CPU draw: equal on every device
     Y = M @ omega
     Q = torch.linalg.qr(Y).Q
     for _ in range(power_iters):
@@ -108,7 +108,7 @@ class SpectralCorrection:
             if g is None:
                 continue
             M = self.momentum.get(name)
-            g = g.detach().to(p.dtype)
+            g = g.detach().to(p.device, p.dtype)
             M = (1 - self.beta) * g if M is None else self.beta * M + (1 - self.beta) * g
             self.momentum[name] = M
             M_eff = M / (1 - self.beta ** k) if self.bias_correction else M
@@ -155,5 +155,6 @@ class SpectralCorrection:
     def load_state_dict(self, state: dict) -> None:
         self.inner.load_state_dict(state["inner"])
         self.priors_received = state["priors_received"]
-        self.momentum = dict(state["momentum"])
-        self.basis = {n: SpectralBasis(*t) for n, t in state["basis"].items()}
+        # on each parameter's device (a checkpoint loads on the CPU)
+        self.momentum = {n: t.to(self.params[n].device) for n, t in state["momentum"].items()}
+        self.basis = {n: SpectralBasis(*(x.to(self.params[n].device) for x in t)) for n, t in state["basis"].items()}
