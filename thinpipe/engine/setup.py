@@ -27,9 +27,10 @@ def place(cfg: Config, local_rank: int | None = None) -> torch.device:
     return device
 
 
-def wire_dtype(cfg: Config) -> torch.dtype | None:
-    """The dtype activations and their gradients travel in (None: as computed, i.e. fp32)."""
-    name = cfg.train.dtype if cfg.boundary.dtype == "auto" else cfg.boundary.dtype
+def wire_dtype(cfg: Config, device: torch.device = torch.device("cpu")) -> torch.dtype | None:
+    """The dtype activations and their gradients travel in (None: as computed, i.e. fp32); with
+    ``boundary.dtype = auto`` the compute dtype on ``device``."""
+    name = compute_dtype_name(cfg.train.dtype, device) if cfg.boundary.dtype == "auto" else cfg.boundary.dtype
     return None if name == "float32" else DTYPES[name]
 
 

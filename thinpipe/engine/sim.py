@@ -40,7 +40,7 @@ class SimMesh:
         self.cfg, self.device = cfg, device
         t, m = cfg.train, cfg.mesh
         self.compute_dtype = DTYPES[compute_dtype_name(t.dtype, device)]
-        on_wire = wire_dtype(cfg)
+        on_wire = wire_dtype(cfg, device)
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
         hidden = model.config.hidden_size
