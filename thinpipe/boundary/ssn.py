@@ -43,7 +43,9 @@ class SubspaceBasis(nn.Module, StageState):
                  refresh_lr: float = 0.0):
         super().__init__()
         self.register_buffer("U", orthonormal(hidden_size, rank, torch.Generator().manual_seed(seed * 7919 + 1)))
-        self.token_fixed = token_fixed
+        # a buffer (moves with the module to the rank's device), not part of a checkpoint: it is the
+        # frozen token embedding every process derives from the model
+        self.register_buffer("token_fixed", token_fixed, persistent=False)
         self.refresh_every, self.refresh_lr = refresh_every, refresh_lr
         self._leaves: dict[tuple[str, int], torch.Tensor] | None = None  # armed: one leaf per use
 
@@ -92,8 +94,14 @@ class SsnBoundary(Boundary):
                  wire_dtype: torch.dtype | None = None):
         super().__init__(index, hidden_size, wire_dtype)
         self.basis = basis
-        self.token_fixed = token_fixed  # (V, d), frozen, shared by all boundaries of a replica
+        if token_fixed is not basis.token_fixed:
+            raise ValueError("an SSN boundary computes with its basis's token_fixed (one copy per replica)")
         self.rank = basis.U.shape[1]
+
+    @property
+    def token_fixed(self) -> torch.Tensor:
+        """(V, d), frozen, shared by all boundaries of a replica (held by the basis, on its device)."""
+        return self.basis.token_fixed
 
     @property
     def stage_state(self) -> SubspaceBasis:
