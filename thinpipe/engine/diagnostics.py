@@ -18,6 +18,7 @@ import torch
 from thinpipe.boundary import Boundary
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.worker import StageWorker
+from thinpipe.placement import to_device
 from thinpipe.optim.spectral import blend, filter_weights, is_filtered, spectral_filter
 
 DIAG_TAG = -1
@@ -47,7 +48,7 @@ def clean_gradient(mesh, batch: dict) -> list[dict[str, torch.Tensor]]:
     workers = [StageWorker(st, DIAG_TAG, dense[s - 1] if s else None, dense[s] if s < len(stages) - 1 else None,
                            mesh.mailbox, mesh.compute_dtype) for s, st in enumerate(stages)]
     meter_before = mesh.meter.snapshot()
-    for ctx in make_contexts(batch, mesh.cfg.train.microbatches, mesh.step_index, 0):
+    for ctx in make_contexts(to_device(batch, mesh.device), mesh.cfg.train.microbatches, mesh.step_index, 0):
         for w in workers:
             w.forward(ctx)
         for w in reversed(workers):
