@@ -235,6 +235,94 @@ def test_cpu_profile_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert dv.resolve_device("cpu", ARCHITECTURES["tiny-llama"], "float32") == first
 
 
+def test_measure_runs_its_timed_path_on_a_cpu_device(tmp_path, monkeypatch):
+    """``measure`` is the one path of ``--device cpu`` and ``--device cuda``; on a CPU device it runs
+    whole (windows of several steps, bf16 autocast, a shape given), caches under its own key, and
+    times every step it is asked to."""
+    import torch
+
+    from thinpipe.plan import device as dv
+    from thinpipe.plan.planner import ARCHITECTURES
+
+    monkeypatch.setenv("THINPIPE_CACHE", str(tmp_path))
+    arch, cpu = ARCHITECTURES["tiny-llama"], torch.device("cpu")
+    calls = []
+    real = dv.time.perf_counter
+    monkeypatch.setattr(dv.time, "perf_counter", lambda: calls.append(1) or real())
+    got = dv.measure(cpu, arch, "bfloat16", shape=(2, 32), steps_per_window=3)
+    assert got.mfu == 1.0 and got.peak_flops > 1e6 and "bfloat16" in got.source and "64 tokens" in got.source
+    assert len(calls) == 2 * dv.MEASURE_REPEATS  # one clock pair per window, not per step
+    saved = json.loads((tmp_path / "device_profiles.json").read_text())
+    assert list(saved) == [dv._cache_key(arch, "bfloat16", cpu, 2, 32)] and "tokens=2x32" in list(saved)[0]
+    # the default CPU shape keeps the key profiles were cached under before shapes were part of it
+    assert "tokens=" not in dv._cache_key(arch, "float32", cpu, 1, dv.MEASURE_TOKENS)
+
+
+def test_cuda_profile_key_names_the_gpu(monkeypatch):
+    """Two GPUs (or two torch builds) never share a cached profile."""
+    import torch
+
+    from thinpipe.plan import device as dv
+    from thinpipe.plan.planner import ARCHITECTURES
+
+    arch = ARCHITECTURES["smollm2-135m"]
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H200")
+    h200 = dv._cache_key(arch, "bfloat16", torch.device("cuda", 0), 8, 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100-SXM4-40GB")
+    a100 = dv._cache_key(arch, "bfloat16", torch.device("cuda", 0), 8, 1024)
+    assert "gpu=NVIDIA H200" in h200 and f"torch={torch.__version__}" in h200 and h200 != a100
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_plan_device_cuda_without_a_gpu_is_one_line_exit_2(device, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a machine that has one
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["plan", "--set", "model.name=smollm2-135m", "--device", device]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: --device {device} needs a CUDA GPU here")
+    assert "use a data-sheet device: a100-40gb, h100, rtx-4090" in err
+
+
+def test_plan_device_cuda_index_beyond_the_gpus_is_one_line_exit_2(capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["plan", "--set", "model.name=smollm2-135m", "--device", "cuda:3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --device cuda:3: this machine has 1 CUDA device(s): use cuda:0..cuda:0\n"
+
+
+def test_plan_without_cuda_exits_2_through_the_command_line():
+    """The real command, as a user runs it on a machine without a GPU: one line, no traceback."""
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the in-process tests above cover the error path here")
+    r = subprocess.run([sys.executable, "-m", "thinpipe", "plan", "--device", "cuda"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: --device cuda needs a CUDA GPU here"), r.stderr
+
+
+def test_plan_on_a_data_sheet_device_does_not_import_torch():
+    """plan/device.py imports torch only to measure (kept that way: plan on a preset starts fast)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from thinpipe.plan import device as dv; from thinpipe.plan.planner import ARCHITECTURES; "
+            "dv.resolve_device('h100', ARCHITECTURES['smollm2-135m'], 'bfloat16'); print('torch' in sys.modules)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "False"
+
+
 def test_shared_links_slow_the_pipeline_by_the_replica_count():
     one = _plan(boundary__kind="mask", boundary__p=0.95, mesh__dp=1)
     assert one["des_shared_pipeline_s"] == pytest.approx(one["des_pipeline_s"])

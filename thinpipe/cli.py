@@ -318,10 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--preset", help="a deployment preset, e.g. paper-llama1b")
     pl.add_argument("--config", help="TOML config file")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. boundary.p=0.95")
-    pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 | cpu (measured here, cached) (default: the preset's, else a100-40gb)")
+    pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 (data sheet) | cpu | cuda | cuda:N (measured here, "
+                                     "cached) (default: the preset's, else a100-40gb)")
     pl.add_argument("--json", action="store_true", help="print JSON")
-    pl.add_argument("--remeasure", action="store_true", help="with --device cpu: measure again instead of the cached "
-                                                             "profile (do it on an idle machine)")
+    pl.add_argument("--remeasure", action="store_true", help="with --device cpu or cuda: measure again instead of the "
+                                                             "cached profile (do it on an idle machine)")
     pl.add_argument("--target-tps", type=float, help="advice: the least compression (mask p, PowerSGD rank, DiLoCo H) "
                                                      "reaching this many tokens/s (exit 1 if none can)")
     pl.add_argument("--max-mbps", type=float, help="advice: every link at this many Mbit/s; without --target-tps, the "
