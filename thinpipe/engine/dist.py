@@ -41,13 +41,13 @@ from thinpipe.engine.context import make_contexts
 from thinpipe.engine.passes import pipeline_loss, residual_pass, residual_start_boundaries
 from thinpipe.engine.run import run
 from thinpipe.engine.schedule import SCHEDULES
-from thinpipe.engine.setup import (DTYPES, build_data, load, lr_at, replica_stream, residual_batches, val_batches,
-                                   wire_dtype)
+from thinpipe.engine.setup import (DTYPES, build_data, load_stage, lr_at, replica_stream, residual_batches,
+                                   val_batches, wire_dtype)
 from thinpipe.engine.sim_engine import atomic_save
 from thinpipe.log import say
 from thinpipe.data import PackedDataset
 from thinpipe.mesh import MeshLayout, Role
-from thinpipe.models import Stage, build_stages
+from thinpipe.models import Stage
 
 
 def check_supported(cfg: Config, resume: bool = False) -> None:
@@ -80,10 +80,11 @@ class RankSetup:
         layout = MeshLayout(m.dp, m.pp, m.anchor)
         layout.check_world(dist.get_world_size())
         role = layout.role(dist.get_rank())
-        loaded = load(cfg)
+        # Only this rank's stage holds weights (the others are placeholders boundaries attach to);
+        # THINPIPE_BENCH_WHOLE_MODEL=1 loads the whole model first: the "before" of benchmarks/stage_memory.py.
+        loaded = load_stage(cfg, role.stage, whole=os.environ.get("THINPIPE_BENCH_WHOLE_MODEL") == "1")
         train_ds, val_ds = build_data(cfg, loaded.tokenizer)
-        stages = build_stages(loaded.model, m.split or None, m.pp)
-        hidden = loaded.model.config.hidden_size
+        stages, hidden = loaded.stages, loaded.hidden_size
         bounds = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire_dtype(cfg), loaded.model)
         for b in bounds:
             b.attach(stages[b.index], stages[b.index + 1])
