@@ -80,7 +80,7 @@ def apply_lora(model: nn.Module, lora, seed: int = 0) -> nn.Module:
                          f"{sorted(x for x in present if x.endswith('proj'))}")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                         target_modules=list(lora.target_modules), bias="none")
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=[]):  # peft builds adapters on the CPU; CUDA's RNG is not touched
         model = inject_adapter_in_model(config, model)
     init_adapters(model, seed)
     for name, p in model.named_parameters():
