@@ -7,7 +7,7 @@ import torch
 
 from thinpipe.config import ConfigError
 from thinpipe.engine.sim import SimMesh
-from thinpipe.models.lora import apply_lora, merge_lora
+from thinpipe.models.lora import adapter_seed, apply_lora, merge_lora
 from tests.helpers import config, tiny_batch, tiny_model
 
 LORA = dict(train__lora__rank=4, train__lora__alpha=8.0)
@@ -15,7 +15,8 @@ LORA = dict(train__lora__rank=4, train__lora__alpha=8.0)
 
 def lora_model(seed=0, family="llama", **sets):
     model = tiny_model(family, seed)
-    return apply_lora(model, config(**{**LORA, **sets}).train.lora)
+    cfg = config(**{**LORA, **sets})
+    return apply_lora(model, cfg.train.lora, cfg.train.seed)
 
 
 def params(mesh):
@@ -61,8 +62,9 @@ def test_identity_boundaries_plus_lora_equal_plain_peft_training_on_the_unsplit_
     ours_adapters = {("lm_head." + n[8:] if n.startswith("lm_head.") else f"model.{n}"): p
                      for st in ours.replicas[0] for n, p in st.named_parameters() if p.requires_grad}
     assert ref_adapters.keys() == ours_adapters.keys()
-    for n in ref_adapters:  # the same seeded initialisation
-        assert torch.equal(ref_adapters[n], ours_adapters[n]), n
+    with torch.no_grad():  # the same start (ours is drawn per name: see the next test)
+        for n in ref_adapters:
+            ref_adapters[n].copy_(ours_adapters[n])
     for step in range(steps):
         batch = tiny_batch(batch_size=2, seed=step)
         batch["segment_ids"].zero_()  # one document per row: HF's plain causal mask applies
@@ -74,6 +76,29 @@ def test_identity_boundaries_plus_lora_equal_plain_peft_training_on_the_unsplit_
         assert loss_ours == pytest.approx(float(loss_ref.detach()), rel=1e-5)
     for n in ref_adapters:
         torch.testing.assert_close(ours_adapters[n], ref_adapters[n], rtol=1e-4, atol=1e-6)
+
+
+def test_adapters_start_as_peft_draws_them_each_from_its_own_seed():
+    """peft's own initialisation, run on the global RNG seeded with the adapter's seed, gives the
+    values ``apply_lora`` gave; they depend on the name alone, not on which other modules have
+    adapters (so a rank that builds one stage draws the same)."""
+    model = lora_model(seed=0, train__seed=7)
+    name = "model.layers.2.self_attn.q_proj"
+    layer = model.get_submodule(name)
+    ours_A, ours_B = layer.lora_A["default"].weight.detach().clone(), layer.lora_B["default"].weight.detach().clone()
+    assert not torch.equal(ours_A, torch.zeros_like(ours_A)) and torch.equal(ours_B, torch.zeros_like(ours_B))
+    torch.manual_seed(adapter_seed(7, f"{name}.lora_A.default.weight"))
+    layer.reset_lora_parameters("default", True)  # peft: kaiming-uniform(a = sqrt 5) A, zero B
+    assert torch.equal(layer.lora_A["default"].weight, ours_A)
+    assert torch.equal(layer.lora_B["default"].weight, ours_B)
+    only_q = apply_lora(tiny_model("llama", 0), config(**LORA, train__lora__target_modules=["q_proj"]).train.lora, 7)
+    assert torch.equal(only_q.get_submodule(name).lora_A["default"].weight, ours_A)
+    other = lora_model(seed=0, train__seed=8).get_submodule(name).lora_A["default"].weight
+    assert not torch.equal(other, ours_A)  # the run seed matters
+    plain = tiny_model("llama", 0)
+    state = torch.random.get_rng_state()
+    apply_lora(plain, config(**LORA).train.lora, 7)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is left as it was
 
 
 def test_lora_composes_with_masking_the_anchor_circuit_and_diloco():

@@ -82,6 +82,13 @@ def device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def move(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module.to(device)`` for every tensor that holds data; meta tensors stay where they are. A dist
+    rank's boundaries reference modules of the neighbouring stage, which on that rank is a placeholder
+    without weights (``models/stage_loading.py``): those are never computed with here."""
+    return module._apply(lambda t: t if t.is_meta else t.to(device))
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """A batch of tensors on ``device`` (the same dict back on the CPU: no copy)."""
     if device.type == "cpu":

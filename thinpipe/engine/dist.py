@@ -43,14 +43,14 @@ from thinpipe.engine.context import make_contexts
 from thinpipe.engine.passes import pipeline_loss, residual_pass, residual_start_boundaries
 from thinpipe.engine.run import run
 from thinpipe.engine.schedule import SCHEDULES
-from thinpipe.engine.setup import (DTYPES, build_data, load, lr_at, place, replica_stream, residual_batches,
+from thinpipe.engine.setup import (DTYPES, build_data, load_stage, lr_at, place, replica_stream, residual_batches,
                                    val_batches, wire_dtype)
 from thinpipe.engine.sim_engine import atomic_save
 from thinpipe.log import say
 from thinpipe.data import PackedDataset
 from thinpipe.mesh import MeshLayout, Role
-from thinpipe.models import Stage, build_stages
-from thinpipe.placement import local_rank, to_device
+from thinpipe.models import Stage
+from thinpipe.placement import local_rank, move, to_device
 
 
 def check_supported(cfg: Config, resume: bool = False) -> None:
@@ -85,15 +85,16 @@ class RankSetup:
         layout.check_world(dist.get_world_size())
         role = layout.role(dist.get_rank())
         device = place(cfg, local_rank())
-        loaded = load(cfg)
+        # Only this rank's stage holds weights (the others are placeholders boundaries attach to);
+        # THINPIPE_BENCH_WHOLE_MODEL=1 loads the whole model first: the "before" of benchmarks/stage_memory.py.
+        loaded = load_stage(cfg, role.stage, whole=os.environ.get("THINPIPE_BENCH_WHOLE_MODEL") == "1")
         train_ds, val_ds = build_data(cfg, loaded.tokenizer)
-        stages = build_stages(loaded.model, m.split or None, m.pp)
-        hidden = loaded.model.config.hidden_size
+        stages, hidden = loaded.stages, loaded.hidden_size
         bounds = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire_dtype(cfg), loaded.model)
         for b in bounds:
             b.attach(stages[b.index], stages[b.index + 1])
         for module in [stages[role.stage], *bounds]:
-            module.to(device)  # after attach: the owned boundary modules move with their stage
+            move(module, device)  # after attach: the owned boundary modules move with their stage
         groups = ProcessGroups.build(layout)  # every process, every group, the same order
         return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
                          hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device)

@@ -6,12 +6,16 @@ two runs of one config see the same model, data, batches and learning rates (DES
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from thinpipe.config import Config, ConfigError
 from thinpipe.data import PackedDataset, batches, build_dataset
-from thinpipe.models import LoadedModel, load_model
+from thinpipe.models import LoadedModel, Stage, build_stages, load_model
+from thinpipe.models.loading import load_tokenizer, model_folder
 from thinpipe.models.lora import apply_lora
+from thinpipe.models.stage_loading import ModelOnDisk, has_safetensors, stage_from_folder
 from thinpipe.optim import cosine_with_warmup
 from thinpipe.placement import DTYPES, compute_dtype_name, resolve_device, use_deterministic
 
@@ -43,11 +47,48 @@ def load(cfg: Config) -> LoadedModel:
     """The configured model (seeded), with LoRA adapters when configured; checks the mesh fits it."""
     torch.manual_seed(cfg.train.seed)
     loaded = load_model(cfg.model.name, seed=cfg.train.seed)
-    apply_lora(loaded.model, cfg.train.lora)
-    n_layers = loaded.model.config.num_hidden_layers
+    apply_lora(loaded.model, cfg.train.lora, cfg.train.seed)
+    check_layers(cfg, loaded.model.config.num_hidden_layers)
+    return loaded
+
+
+def check_layers(cfg: Config, n_layers: int) -> None:
     if cfg.mesh.pp > n_layers:
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {n_layers} layers")
-    return loaded
+
+
+@dataclass
+class LoadedStage:
+    """What one rank of a distributed run starts from. ``stages`` is every stage of the pipeline, of
+    which only ``stages[index]`` is the rank's own; ``model`` is what boundary builders read (the
+    whole model, or a ``ModelOnDisk``: its config, and its token embedding read on demand)."""
+
+    stages: list[Stage]
+    tokenizer: object
+    model: object
+    hidden_size: int
+
+
+def load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
+    """Stage ``index`` of the configured model (seeded, with LoRA when configured), equal tensor for
+    tensor to ``build_stages(load(cfg).model, ...)[index]``, holding only its own weights: from a
+    safetensors folder (a Hugging Face folder; SmolLM2 and a .gguf after their one-time conversion)
+    the other stages are meta placeholders and only this stage's tensors are read
+    (``models/stage_loading.py``). The random presets (``tiny-*``, ``small-llama``) are tiny and
+    built from a seed, not read from files: they, a folder without safetensors weights, and
+    ``whole=True`` (the benchmark's "before": ``benchmarks/stage_memory.py``) load the whole model
+    and carve it. The global RNG is left as ``load`` leaves it."""
+    m = cfg.mesh
+    folder = model_folder(cfg.model.name)
+    if whole or folder is None or not has_safetensors(folder):
+        loaded = load(cfg)
+        return LoadedStage(build_stages(loaded.model, m.split or None, m.pp), loaded.tokenizer, loaded.model,
+                           loaded.model.config.hidden_size)
+    torch.manual_seed(cfg.train.seed)
+    disk = ModelOnDisk(folder)
+    check_layers(cfg, disk.config.num_hidden_layers)
+    stages = stage_from_folder(folder, index, m.split or None, m.pp, cfg.train.lora, cfg.train.seed)
+    return LoadedStage(stages, load_tokenizer(folder), disk, disk.config.hidden_size)
 
 
 def build_data(cfg: Config, tokenizer) -> tuple[PackedDataset, PackedDataset]:

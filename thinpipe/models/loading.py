@@ -89,26 +89,42 @@ def _gguf_folder(gguf: Path) -> Path:
     return out
 
 
+def is_random_preset(name: str) -> bool:
+    """A random-init preset (``tiny-*``, ``small-llama``): built from a config and a seed, no files."""
+    return name.startswith("tiny-") or name == "small-llama"
+
+
+def model_folder(name: str) -> Path | None:
+    """The Hugging Face folder a model name loads from (None for a random preset). SmolLM2 and a
+    .gguf file are converted to a safetensors folder in the cache on first use."""
+    name = resolve_model_name(name)
+    if is_random_preset(name):
+        return None
+    if name == "smollm2-135m":
+        return _gguf_folder(_smollm2_gguf())
+    if name.endswith(".gguf"):
+        return _gguf_folder(Path(name))
+    return Path(name)
+
+
 def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
     """Load model + tokenizer in fp32 with SDPA attention. ``seed`` only matters for random presets."""
     name = resolve_model_name(name)
-    if name.startswith("tiny-") or name == "small-llama":
-
+    folder = model_folder(name)
+    if folder is None:
         config = tiny_config("small" if name == "small-llama" else name.split("-", 1)[1])
         config._attn_implementation = "sdpa"
         with torch.random.fork_rng():
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return LoadedModel(model.eval(), ByteTokenizer(), name)
-    if name == "smollm2-135m":
-        folder = _gguf_folder(_smollm2_gguf())
-    elif name.endswith(".gguf"):
-        folder = _gguf_folder(Path(name))
-    else:
-        folder = Path(name)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(model.eval(), tokenizer, name)
+    return LoadedModel(model.eval(), load_tokenizer(folder), name)
+
+
+def load_tokenizer(folder: Path):
+    """The tokenizer of a Hugging Face model folder (the one ``load_model`` returns with its model)."""
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def model_num_layers(name: str) -> int | None:
@@ -116,7 +132,7 @@ def model_num_layers(name: str) -> int | None:
     import json
 
     name = resolve_model_name(name)
-    if name.startswith("tiny-") or name == "small-llama":
+    if is_random_preset(name):
         return tiny_config("small" if name == "small-llama" else name.split("-", 1)[1]).num_hidden_layers
     if name == "smollm2-135m":
         return 30

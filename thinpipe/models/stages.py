@@ -103,8 +103,14 @@ class Stage(nn.Module):
         for name, t in self.state_dict().items():
             if name.startswith(("rotary_emb.", "boundary_modules.")):
                 continue
-            out[name if name.startswith("lm_head.") else f"model.{name}"] = t
+            out[hf_name(name)] = t
         return out
+
+
+def hf_name(stage_name: str) -> str:
+    """A stage's parameter name -> its name in the Hugging Face model (stages keep the inner
+    model's names: ``layers.3.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight``)."""
+    return stage_name if stage_name.startswith("lm_head.") else f"model.{stage_name}"
 
 
 def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> list[Stage]:
