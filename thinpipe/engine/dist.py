@@ -2,7 +2,8 @@
 
 Launched by torchrun (``torchrun --nproc-per-node N -m thinpipe train --engine dist ...`` or
 ``thinpipe launch``): every process derives the same ``MeshLayout`` and ``ProcessGroups`` from the
-config, builds the model, keeps its own stage and the boundaries it touches, and runs one
+config, builds only its own stage (``setup.load_stage``: its weights alone are read) and the
+boundaries, and runs one
 ``StageRank`` (the object the simulation runs, DESIGN.md property 1) with a ``DistTransport`` for
 payloads and ``DistGroup`` collectives. A fast rank is an engine of the run loop (``run.py``: the
 same loop, rows and summary as the simulation); an anchor rank runs its cycles (``anchor/dist.py``)
