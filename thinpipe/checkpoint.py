@@ -24,6 +24,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -135,6 +136,14 @@ def _write_atomic(path: Path, write) -> None:
             os.unlink(tmp)
 
 
+def _killed_here_in_tests(folder: Path) -> None:
+    """THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE=N: SIGKILL this process half-way through writing the set
+    of step N (the tensors written, the tree and digests not): what a crash leaves (tests only)."""
+    at = os.environ.get("THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE")
+    if at is not None and folder.name == f"step{int(at):08d}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step{step:08d}"
 
@@ -145,6 +154,7 @@ def save_part(folder: Path, part: str, state) -> None:
     skeleton, tensors = encode_tree(state)
     st, js = folder / f"{part}.safetensors", folder / f"{part}.json"
     _write_atomic(st, lambda tmp: save_file(tensors, tmp, metadata={"format": str(FORMAT)}))
+    _killed_here_in_tests(folder)
     _write_atomic(js, lambda tmp: Path(tmp).write_text(json.dumps({"format": FORMAT, "state": skeleton})))
     digests = {st.name: _sha256(st), js.name: _sha256(js)}
     _write_atomic(folder / f"{part}.sha256", lambda tmp: Path(tmp).write_text(json.dumps(digests)))
@@ -222,14 +232,48 @@ def latest_complete(root: Path, part: str, warn=None) -> tuple[int, object] | No
     return None
 
 
+def remove_parts(folder: Path, parts: list[str]) -> None:
+    """Delete ``parts`` of a set (each rank deletes only its own), and the folder once it is empty."""
+    for p in parts:
+        for suffix in (".sha256", ".json", ".safetensors"):   # the digest first: the part is incomplete at once
+            (folder / f"{p}{suffix}").unlink(missing_ok=True)
+    for tmp in folder.glob(".*"):                              # a write interrupted by a crash
+        if any(tmp.name.startswith(f".{p}.") for p in parts):
+            tmp.unlink(missing_ok=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass  # other ranks' parts are still there
+
+
 def prune(root: Path, keep: int, parts: list[str]) -> None:
     """Keep the newest ``keep`` sets whose ``parts`` verify, and any set newer than the newest of them
-    (another rank may still be writing it); remove the rest (older, damaged or incomplete)."""
+    (another rank may still be writing it); remove ``parts`` of the rest (older, damaged or incomplete)."""
     kept = 0
     for _, folder in sets(root):
         if kept >= keep:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_parts(folder, parts)
         elif verifies(folder, parts):
             kept += 1
         elif kept:
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_parts(folder, parts)
+
+
+def legacy_pickle(root: Path) -> Path | None:
+    """A checkpoint written by thinpipe before this format (pickles), if ``root`` holds one."""
+    root = Path(root)
+    old = [root / "state.pt", root / "latest.json"]
+    return next((p for p in old if p.is_file()), None)
+
+
+def refuse_legacy(root: Path) -> None:
+    old = legacy_pickle(root)
+    if old is not None:
+        raise CheckpointError(f"{old} is a checkpoint of an older thinpipe, stored as Python pickles, which can run "
+                              "code when loaded and are not read: resume it with the thinpipe version that wrote it, "
+                              "or start the run again")
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` (a run folder) holds at least one checkpoint set (verified when loaded)."""
+    return bool(sets(Path(run_dir) / "checkpoint"))
