@@ -120,7 +120,7 @@ def test_a_crafted_pickle_in_a_run_folder_never_runs(tmp_path, command, capsys):
             "eval": ["eval", "--model", str(run), "--tasks", "arc_easy", "--limit", "1"],
             "prune": ["prune", "--run", str(run), "--sparsity", "0.1"],
             "analyze": ["analyze", "--run", str(run)],
-            "resume": ["train", "--out", str(run), "--quiet", "--resume", *TINY]}[command]
+            "resume": ["train", "--out", str(run), "--quiet", "--resume", *TINY, "--set", "train.steps=1"]}[command]
     capsys.readouterr()
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
