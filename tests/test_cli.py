@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from thinpipe.checkpoint import latest_complete
 from thinpipe.cli import main
 from tests.helpers import skip_or_fail, tiny_model
 
@@ -22,8 +23,10 @@ def test_train_end_to_end_writes_all_outputs(tmp_path):
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=6", "--set", "mesh.pp=2",
                  "--set", "boundary.kind=mask", "--set", "boundary.p=0.5", "--set", "eval.every=3"]) == 0
-    for f in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/state.pt"):
+    for f in ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint/step00000006/mesh.safetensors",
+              "checkpoint/step00000006/mesh.json", "checkpoint/step00000006/mesh.sha256"):
         assert (out / f).is_file(), f
+    assert [p.name for p in (out / "checkpoint").iterdir()] == ["step00000006"]  # checkpoint_every = 50: the end only
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))
     for key in ("step", "loss", "lr", "tokens", "pp_fwd_bytes", "pp_bwd_bytes", "dp_bytes", "anchor_bytes", "wall_s"):
@@ -57,13 +60,13 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
     monkeypatch.setattr(SimMesh, "train_step", crashing_step)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(["train", "--out", str(part), "--quiet", *args])
-    assert torch.load(part / "checkpoint" / "state.pt", weights_only=False)["mesh"]["step"] == 3
+    assert latest_complete(part / "checkpoint", "mesh")[1]["mesh"]["step"] == 3
     monkeypatch.setattr(SimMesh, "train_step", real_step)
     assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part)]
     assert losses[0] == losses[1] and len(losses[0]) == 6
-    a = torch.load(full / "checkpoint" / "state.pt", weights_only=False)["mesh"]
-    b = torch.load(part / "checkpoint" / "state.pt", weights_only=False)["mesh"]
+    a = latest_complete(full / "checkpoint", "mesh")[1]["mesh"]
+    b = latest_complete(part / "checkpoint", "mesh")[1]["mesh"]
     assert a["bytes"] == b["bytes"]
     for ra, rb in zip(a["ranks"][1], b["ranks"][1]):
         sa, sb = ra["stage"], rb["stage"]
@@ -105,7 +108,7 @@ BAD = [
     (["train", "--out", "X", "--resume", "--set", "model.name=tiny-llama"], "no checkpoint"),
     (["eval", "--tasks", "arc_hard"], "unknown task(s) arc_hard"),
     (["eval", "--tasks", "arc_easy", "--limit", "0"], "--limit must be >= 1"),
-    (["export", "--run", "/no/run", "--out", "X"], "no checkpoint/state.pt"),
+    (["export", "--run", "/no/run", "--out", "X"], "no run with a checkpoint there"),
 ]
 
 

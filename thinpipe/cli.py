@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from thinpipe.config import ConfigError, load_config
+from thinpipe.config import ConfigError, Diverged, load_config
 from thinpipe.plugins import load_plugins
 
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint")  # what `train` writes
 
 
 def _validate_names(cfg) -> None:
@@ -44,9 +48,34 @@ def _validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
         raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS) + list(extra))}")
 
 
+def _claim_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """A folder that holds a run is never written over by accident: --resume continues it,
+    --overwrite replaces it (only the files `train` writes are removed)."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+    held = [n for n in RUN_FILES if (out / n).exists()]
+    if not held or resume:
+        return
+    if not overwrite:
+        raise ConfigError(f"--out {out} holds a run ({', '.join(held)}): add --resume to continue it, --overwrite to "
+                          "replace it, or choose another --out")
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine removes (dist ranks share the folder)
+        for n in held:
+            shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+
+
+def _check_run(run: Path) -> None:
+    from thinpipe.checkpoint import has_checkpoint, refuse_legacy
+
+    if not (run / "config.toml").is_file() or not has_checkpoint(run):
+        refuse_legacy(run / "checkpoint")
+        raise ConfigError(f"--run {run}: no run with a checkpoint there; give the --out folder of a `thinpipe train` run")
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     _validate_names(cfg)
+    _claim_out(Path(args.out), args.resume, args.overwrite)
     if args.engine == "dist":
         from thinpipe.engine.dist import check_supported, train_dist
         from thinpipe.engine.run import resolve_resume
@@ -213,7 +242,7 @@ def _eval_model(spec: str, device: str = "cpu"):
     from thinpipe.placement import resolve_device
 
     path = Path(spec)
-    if path.is_dir() and (path / "checkpoint" / "state.pt").is_file():
+    if path.is_dir() and (path / "config.toml").is_file():  # a run folder
         from thinpipe.runs import load_mesh, load_run
 
         cfg = load_config(path / "config.toml")
@@ -232,8 +261,7 @@ def cmd_export(args) -> int:
     from thinpipe.runs import export
 
     run = Path(args.run)
-    if not (run / "checkpoint" / "state.pt").is_file():
-        raise ConfigError(f"--run {run}: no checkpoint/state.pt there; give the --out folder of a `thinpipe train` run")
+    _check_run(run)
     out = export(run, args.out)
     print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
@@ -244,8 +272,7 @@ def cmd_prune(args) -> int:
     from thinpipe.prune import parse_sparsities, prune_sweep
 
     run = Path(args.run)
-    if not (run / "checkpoint" / "state.pt").is_file():
-        raise ConfigError(f"--run {run}: no checkpoint/state.pt there; give the --out folder of a `thinpipe train` run")
+    _check_run(run)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     _validate_tasks(tasks)
     if args.limit is not None and args.limit < 1:
@@ -301,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. mesh.pp=4")
     t.add_argument("--out", required=True, help="run folder (config, metrics, summary, plot, checkpoint)")
     t.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    t.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder that "
+                                                            "holds a run is refused)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--engine", choices=["sim", "dist"], default="sim",
                    help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun)")
@@ -387,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except Diverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -1,7 +1,8 @@
 """Run folders: load one back (mesh, merged model), export one.
 
 A run folder holds ``config.toml`` and ``checkpoint/`` (``run.py`` writes them). Loading rebuilds
-the mesh of the run's own config and restores the simulation's checkpoint into it.
+the mesh of the run's own config and restores the simulation's newest checkpoint that verifies into
+it (``thinpipe/checkpoint.py``: safetensors + JSON, nothing in a run folder can run code).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-import torch
 
+from thinpipe.checkpoint import latest_complete, refuse_legacy
 from thinpipe.config import ARCHITECTURAL_KINDS, ConfigError, load_config
 from thinpipe.engine.setup import load
 from thinpipe.engine.sim import SimMesh
 from thinpipe.models import merge_stages
+from thinpipe.log import say
 from thinpipe.models.lora import merge_lora
 from thinpipe.placement import resolve_device
 
@@ -24,13 +26,19 @@ def load_mesh(run_dir: str | Path, device: str = "cpu"):
     """(config, mesh restored from the checkpoint on ``device`` (a ``train.device`` value), LoadedModel)
     of a finished or checkpointed run; the checkpoint loads on any device, whatever it trained on."""
     run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file() or not (run_dir / "checkpoint" / "state.pt").is_file():
-        raise ConfigError(f"{run_dir} is not a thinpipe run folder (needs config.toml and checkpoint/state.pt)")
+    if not (run_dir / "config.toml").is_file():
+        raise ConfigError(f"{run_dir} is not a thinpipe run folder (no config.toml): give the --out folder of a "
+                          "`thinpipe train` run")
+    found = latest_complete(run_dir / "checkpoint", "mesh", warn=say)
+    if found is None:
+        refuse_legacy(run_dir / "checkpoint")
+        raise ConfigError(f"{run_dir} holds no checkpoint of the simulation (checkpoint/step*/mesh.*); a dist run's "
+                          "per-rank checkpoints are resumed with --engine dist")
     cfg = load_config(run_dir / "config.toml")
     dev = resolve_device(device)
     loaded = load(cfg)
     mesh = SimMesh(loaded.model, cfg, dev)
-    mesh.load_state_dict(torch.load(run_dir / "checkpoint" / "state.pt", map_location="cpu", weights_only=False)["mesh"])
+    mesh.load_state_dict(found[1]["mesh"])
     return cfg, mesh, loaded
 
 

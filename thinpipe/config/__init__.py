@@ -14,7 +14,7 @@ from thinpipe.config.aliases import DEPRECATED_KEYS
 from thinpipe.config.anchor import AnchorConfig, MuonConfig, OptimConfig, SpectralConfig
 from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BOUNDARY_KINDS, QUANT_BITS, BoundaryConfig
 from thinpipe.config.dp import DP_KINDS, DPConfig
-from thinpipe.config.errors import ConfigError
+from thinpipe.config.errors import ConfigError, Diverged
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
 from thinpipe.config.root import Config, apply_overrides, load_config
@@ -22,7 +22,7 @@ from thinpipe.config.train import LORA_TARGETS, DiagConfig, EvalConfig, LoraConf
 
 __all__ = [
     "ARCHITECTURAL_KINDS", "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "QUANT_BITS",
-    "AnchorConfig", "BoundaryConfig", "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig",
+    "AnchorConfig", "BoundaryConfig", "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig", "Diverged",
     "EvalConfig", "LinkConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig", "OptimConfig",
     "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
 ]

@@ -68,6 +68,8 @@ class TrainConfig:
     deterministic)."""
     checkpoint_every: int = 50
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept (newest first): a damaged newest one falls back to the one before."""
     optimizer: str = "adamw"
     """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
     weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
@@ -96,6 +98,8 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if self.optimizer not in ("adamw", "muon"):

@@ -17,9 +17,7 @@ gradient diagnostics, resuming a run with an anchor circuit.
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ import torch.distributed as dist
 from thinpipe.analysis import energy_vs_fixed
 from thinpipe.anchor.dist import AnchorStageRank
 from thinpipe.anchor.dist_wiring import anchor_feed, anchor_stage_rank
+from thinpipe.checkpoint import load_part, prune, refuse_legacy, save_part, sets, step_dir, verifies
 from thinpipe.boundary import build_boundaries
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.dist import DistTransport, broadcast_payload
@@ -46,7 +45,6 @@ from thinpipe.engine.run import run
 from thinpipe.engine.schedule import SCHEDULES
 from thinpipe.engine.setup import (DTYPES, build_data, load_stage, lr_at, place, replica_stream, residual_batches,
                                    val_batches, wire_dtype)
-from thinpipe.engine.sim_engine import atomic_save
 from thinpipe.log import say
 from thinpipe.data import PackedDataset
 from thinpipe.mesh import MeshLayout, Role
@@ -127,7 +125,7 @@ class DistEngine:
                             DTYPES[cfg.train.dtype])
         self.feed = (anchor_feed(cfg, self.stage, self.role.replica, self.layout, self.rank, self.groups, self.meter,
                                  links, wire_dtype(cfg)) if m.anchor else None)
-        self.step_index, self._bytes = 0, {a: 0 for a in AXES}
+        self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
         self._stream = None
         self._fault_at = int(os.environ.get("THINPIPE_FAULT_AT_STEP", "-1"))  # crash-recovery tests only
 
@@ -182,13 +180,15 @@ class DistEngine:
         self.step_index = step + 1
         # one collective: every fast rank's loss (the last stages') and byte meter
         mine = self.meter.snapshot()
-        rows = self._gather([sum(worker.losses) if self.stage.is_last else 0.0, *(mine[a] for a in AXES)])
-        self._bytes = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        rows = self._gather([sum(worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
+                             *(mine[a] for a in AXES)])
+        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        self._grad_norm = float(rows[0][1])  # replica 0's, as the simulation reports: every rank decides alike
         losses = [float(rows[self.layout.grid[r][-1]][0]) for r in range(cfg.mesh.dp)]
         return sum(losses) / len(losses)
 
     def grad_norm(self) -> float:
-        return self.rk.last_grad_norm
+        return self._grad_norm
 
     def bytes_total(self) -> dict[str, int]:
         """Every fast rank's metered bytes as of the last step (at the end, the anchor ranks' too:
@@ -226,38 +226,42 @@ class DistEngine:
         return None
 
     # checkpoints --------------------------------------------------------------------------------
+    def weights_finite(self) -> bool:
+        mine = all(bool(torch.isfinite(p).all()) for p in self.stage.parameters())
+        return all(float(r[0]) == 1.0 for r in self._gather([1.0 if mine else 0.0]))
+
     def save(self, folder: Path, extra: dict) -> None:
-        """Every rank writes ``step{N}/rank{r}.pt`` atomically; once all have (barrier), rank 0 points
-        ``latest.json`` at step N and removes older sets. A crash at any moment leaves
-        ``latest.json`` naming a complete set."""
-        step = self.step_index
-        step_dir = folder / f"step{step}"
-        step_dir.mkdir(parents=True, exist_ok=True)
-        atomic_save({"step": step, "role": self.role.__dict__, "rank": self.rk.state_dict(),
-                     "boundaries": {b.index: b.state_dict() for b in (self.in_b, self.out_b) if b is not None},
-                     "bytes": self.meter.snapshot(), **extra}, step_dir / f"rank{self.rank}.pt")
+        """Every rank writes its part ``rank{r}`` of the set ``step{N}/`` (``thinpipe/checkpoint.py``);
+        only once all have (barrier) does any rank drop its part of older sets, so a crash at any
+        moment (here or on another machine) leaves a set every rank holds."""
+        step, part = self.step_index, f"rank{self.rank}"
+        save_part(step_dir(folder, step), part,
+                  {"step": step, "world_size": self.world_size, "role": self.role.__dict__, "rank": self.rk.state_dict(),
+                   "boundaries": {b.index: b.state_dict() for b in (self.in_b, self.out_b) if b is not None},
+                   "bytes": self.meter.snapshot(), **extra})
         if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(step) and self.rank == self.world_size - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {step}")
         dist.barrier(group=self.groups.fast)
-        if self.lead:
-            tmp = folder / "latest.json.tmp"
-            tmp.write_text(json.dumps({"step": step, "world_size": self.world_size}))
-            os.replace(tmp, folder / "latest.json")
-            for old in folder.glob("step*"):
-                if old.is_dir() and old != step_dir:
-                    shutil.rmtree(old, ignore_errors=True)
-        dist.barrier(group=self.groups.fast)
+        prune(folder, self.cfg.train.keep_checkpoints, [part])
+
+    def _agreed_set(self, folder: Path) -> int:
+        """The newest step whose part verifies on every rank (each checks its own; MIN over ranks)."""
+        part = f"rank{self.rank}"
+        mine = next((s for s, f in sets(folder) if verifies(f, [part])), -1)
+        steps = self._gather([float(mine)])
+        step = int(min(float(s[0]) for s in steps))
+        if step < 0:
+            refuse_legacy(folder)
+            raise ConfigError(f"--resume: no complete checkpoint of all {self.world_size} ranks in {folder}; start "
+                              "without --resume")
+        return step
 
     def load(self, folder: Path) -> tuple[int, dict]:
-        marker = folder / "latest.json"
-        if not marker.is_file():
-            raise ConfigError(f"--resume: no complete checkpoint in {folder} (no latest.json); start without --resume")
-        latest = json.loads(marker.read_text())
-        if latest["world_size"] != self.world_size:
-            raise ConfigError(f"--resume: the checkpoint was written by {latest['world_size']} ranks, this job has "
+        step = self._agreed_set(folder)
+        state = load_part(step_dir(folder, step), f"rank{self.rank}")
+        if state["world_size"] != self.world_size:
+            raise ConfigError(f"--resume: the checkpoint was written by {state['world_size']} ranks, this job has "
                               f"{self.world_size}")
-        state = torch.load(folder / f"step{latest['step']}" / f"rank{self.rank}.pt", map_location="cpu",
-                           weights_only=False)
         self.step_index = state["step"]
         for b in (self.in_b, self.out_b):
             if b is not None:

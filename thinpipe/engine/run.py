@@ -25,7 +25,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from thinpipe.comm import AXES
-from thinpipe.config import Config, ConfigError, load_config
+from thinpipe.config import Config, ConfigError, Diverged, load_config
 from thinpipe.engine.setup import lr_at
 from thinpipe.engine.sim_engine import SimEngine
 from thinpipe.log import say
@@ -42,6 +42,7 @@ class Engine(Protocol):
     def validation_loss(self) -> float: ...
     def captured_energy(self) -> dict | None: ...
     def diagnostics(self) -> dict | None: ...
+    def weights_finite(self) -> bool: ...                      # every rank's parameters (the same answer on all)
     def save(self, folder: Path, extra: dict) -> None: ...
     def load(self, folder: Path) -> tuple[int, dict]: ...      # (step, extra)
     def finish(self) -> None: ...
@@ -98,6 +99,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         val_points = [tuple(v) for v in extra["val_points"]]
     else:
         engine.residual_start()
+    last_good = start if resume else None  # the newest checkpoint this run can go back to
     metrics = _read_rows(out / "metrics.jsonl", start) if resume else []
     if engine.lead:
         out.mkdir(parents=True, exist_ok=True)
@@ -113,9 +115,8 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     with open(out / "metrics.jsonl", "a") if engine.lead else _Discard() as f:
         for step in bar:
             loss = engine.train_step(step)
-            if not math.isfinite(loss):
-                raise RuntimeError(f"training diverged at step {step}: loss = {loss}; lower train.lr "
-                                   f"(now {t.lr}) or compress less")
+            if not (math.isfinite(loss) and math.isfinite(engine.grad_norm())):
+                raise _diverged(step, f"loss {loss}, gradient norm {engine.grad_norm()}", last_good, ckpt, t.lr)
             b = engine.bytes_total()
             row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": (step + 1) * tokens_per_step,
                    "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
@@ -134,8 +135,13 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
             f.flush()
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{row['lr']:.2e}")
             if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                if not engine.weights_finite():  # a checkpoint never holds a diverged state
+                    raise _diverged(step, "non-finite weights after its update", last_good, ckpt, t.lr)
                 engine.save(ckpt, {"val_points": val_points})
+                last_good = step + 1
     wall = time.perf_counter() - wall0
+    if not engine.weights_finite():
+        raise _diverged(t.steps - 1, "non-finite weights after its update", last_good, ckpt, t.lr)
     engine.finish()
     final_val = engine.validation_loss()
     val_points.append((t.steps, final_val))
@@ -159,6 +165,14 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
                 f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
     return summary
+
+
+def _diverged(step: int, what: str, last_good: int | None, ckpt: Path, lr: float) -> Diverged:
+    """The one line a diverged run ends with; nothing is checkpointed after it, so the newest
+    checkpoint stays the last good one."""
+    back = (f"the last good checkpoint is step {last_good} in {ckpt} (--resume continues from it)"
+            if last_good is not None else "no checkpoint was written before it")
+    return Diverged(f"training diverged at step {step} ({what}); {back}: lower train.lr (now {lr}) or compress less")
 
 
 def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:

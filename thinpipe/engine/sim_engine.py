@@ -2,36 +2,22 @@
 
 ``SimMesh`` (``sim.py``) is the mesh; this adds what a run needs around it, as the distributed
 engine does for its rank: the data streams of every replica and of the anchor, the held-out loss,
-the checkpoint (one file, ``checkpoint/state.pt``, written atomically) and the summary's extras.
+the checkpoint (one part, ``mesh``, of a set ``checkpoint/step{N}/``: ``thinpipe/checkpoint.py``) and
+the summary's extras.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from thinpipe.analysis import energy_vs_fixed
+from thinpipe.checkpoint import latest_complete, prune, refuse_legacy, save_part, step_dir
 from thinpipe.config import Config, ConfigError
 from thinpipe.engine.setup import anchor_stream, build_data, load, place, replica_stream, residual_batches, val_batches
 from thinpipe.engine.sim import SimMesh
-from thinpipe.placement import on_host
-
-
-def atomic_save(obj, path: Path) -> None:
-    """``obj`` written to ``path`` all or nothing, its tensors on the CPU (a run moves between machines)."""
-    obj = on_host(obj)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+from thinpipe.log import say
 
 
 def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
@@ -98,14 +84,19 @@ class SimEngine:
     def diagnostics(self) -> dict | None:
         return self.mesh.last_diagnostics
 
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for rk in self.mesh.all_ranks() for p in rk.stage.parameters())
+
     def save(self, folder: Path, extra: dict) -> None:
-        atomic_save({"mesh": self.mesh.state_dict(), **extra}, folder / "state.pt")
+        save_part(step_dir(folder, self.mesh.step_index), "mesh", {"mesh": self.mesh.state_dict(), **extra})
+        prune(folder, self.cfg.train.keep_checkpoints, ["mesh"])
 
     def load(self, folder: Path) -> tuple[int, dict]:
-        path = folder / "state.pt"
-        if not path.is_file():
-            raise ConfigError(f"--resume: no checkpoint at {path}; start without --resume")
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        found = latest_complete(folder, "mesh", warn=say)
+        if found is None:
+            refuse_legacy(folder)
+            raise ConfigError(f"--resume: no checkpoint in {folder}; start without --resume")
+        _, state = found
         self.mesh.load_state_dict(state.pop("mesh"))
         return self.mesh.step_index, state
 
