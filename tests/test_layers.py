@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "thinpipe"
 LAYERS = [
     ["thinpipe.log", "thinpipe.plugins"],                                                # foundation
     ["thinpipe.config"],
-    ["thinpipe.mesh", "thinpipe.placement"],                                              # where a rank computes
+    ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint"],   # the rank grid, where a rank computes, checkpoint files
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],                                # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
     ["thinpipe.boundary"],                                                               # the boundary contract

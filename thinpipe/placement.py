@@ -96,18 +96,6 @@ def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
-def on_host(obj):
-    """``obj`` (nested dicts, lists, tuples of tensors) with every tensor on the CPU: what a checkpoint
-    holds, so that it loads on any machine. CPU tensors are returned as they are (no copy)."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device.type == "cpu" else obj.detach().cpu()
-    if isinstance(obj, dict):
-        return {k: on_host(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(on_host(v) for v in obj)
-    return obj
-
-
 def use_deterministic(on: bool, device: torch.device) -> None:
     """``train.deterministic``: CUDA kernels without a deterministic implementation raise instead of
     running (index_add / scatter_add backward, some SDPA backward kernels); cuBLAS needs its
