@@ -56,7 +56,10 @@ def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
     if not (out / "config.toml").is_file():
         raise ConfigError(f"--resume: no checkpoint in {out} (no config.toml there); start without --resume")
     saved = load_config(out / "config.toml")
-    if saved.to_dict() != cfg.to_dict():
+    given = cfg.to_dict()
+    if given["train"]["dtype"] == "auto":  # the run folder records what auto resolved to
+        given["train"]["dtype"] = saved.train.dtype
+    if saved.to_dict() != given:
         say(f"[thinpipe] --resume continues the run as configured in {out / 'config.toml'}; "
             "the config given on the command line is ignored")
     return saved
