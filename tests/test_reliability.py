@@ -17,6 +17,8 @@ import torch
 from thinpipe.checkpoint import latest_complete, load_part, sets
 from thinpipe.cli import main
 
+pytestmark = pytest.mark.slow  # whole training runs (~1.5 min together): make test, not make test-fast
+
 TINY = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.batch_size=2",
         "--set", "train.seq_len=32", "--set", "train.lr=1e-3", "--set", "train.steps=4", "--set", "mesh.pp=2"]
 
