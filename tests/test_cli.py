@@ -109,6 +109,11 @@ BAD = [
     (["eval", "--tasks", "arc_hard"], "unknown task(s) arc_hard"),
     (["eval", "--tasks", "arc_easy", "--limit", "0"], "--limit must be >= 1"),
     (["export", "--run", "/no/run", "--out", "X"], "no run with a checkpoint there"),
+    (["train", "--out", "X", "--set", "train.lr=nan"], "train.lr = nan is not a finite number"),
+    (["train", "--out", "X", "--set", "optim.spectral.tau=inf"], "is not a finite number"),
+    # needs the model's size: checked right after it loads, still one line
+    (["train", "--out", "X", "--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "mesh.pp=2",
+      "--set", "boundary.kind=mapl", "--set", "boundary.rank=100"], "boundary.rank must be in [1, 64], got 100"),
 ]
 
 
@@ -149,3 +154,11 @@ def test_eval_command_on_a_run_folder(tmp_path, capsys):
     results = json.loads(printed[printed.index("[\n"):])
     assert [r["task"] for r in results] == ["arc_easy", "piqa"]
     assert all(r["n"] == 3 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1 for r in results)
+
+
+def test_a_file_named_gguf_that_is_not_gguf_is_one_line(tmp_path, capsys):
+    fake = tmp_path / "model.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    assert main(["train", "--out", str(tmp_path / "r"), "--set", f"model.name={fake}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "is not a GGUF file" in err

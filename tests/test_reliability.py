@@ -128,3 +128,15 @@ def test_a_crafted_pickle_in_a_run_folder_never_runs(tmp_path, command, capsys):
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "pickle" in err and "state.pt" in err
     assert not marker.exists()
+
+
+def test_resume_from_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=2"]) == 0
+    (_, folder), = sets(out / "checkpoint")
+    st = folder / "mesh.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--quiet", "--resume", *TINY, "--set", "train.steps=2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "mesh.safetensors does not match its SHA-256" in err[-1] and "Traceback" not in "\n".join(err)

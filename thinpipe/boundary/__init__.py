@@ -14,6 +14,7 @@ from thinpipe.boundary.quant import QuantBoundary
 from thinpipe.boundary.ssn import SsnBoundary, SubspaceBasis
 from thinpipe.boundary.tahquant import TahQuantBoundary
 from thinpipe.boundary.topk import TopKBoundary
+from thinpipe.config import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 __all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
@@ -84,5 +85,8 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
         if cfg.kind == "identity" or not compressed:
             out.append(Boundary(b, hidden_size, wire_dtype))
         else:
-            out.append(builders[cfg.kind](cfg, b, hidden_size, seed, wire_dtype, model, shared))
+            try:
+                out.append(builders[cfg.kind](cfg, b, hidden_size, seed, wire_dtype, model, shared))
+            except ValueError as e:  # a setting that does not fit the model (known only once it is loaded)
+                raise ConfigError(f"boundary.kind = {cfg.kind} on this model (hidden size {hidden_size}): {e}") from None
     return out

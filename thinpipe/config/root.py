@@ -8,6 +8,7 @@ validated so that a bad input fails with one clear ``ConfigError`` before any he
 from __future__ import annotations
 
 import dataclasses
+import math
 import difflib
 import tomllib
 from dataclasses import dataclass, field
@@ -26,6 +27,15 @@ from thinpipe.config.model_data import DataConfig, ModelConfig
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
 
 
+def _finite_numbers(tree: dict, prefix: str = "") -> None:
+    """No key takes nan or inf (a range check such as ``lr <= 0`` lets nan through)."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _finite_numbers(v, f"{prefix}{k}.")
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"{prefix}{k} = {v} is not a finite number: give a number such as 1e-4")
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -41,6 +51,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def validate(self) -> "Config":
+        _finite_numbers(self.to_dict())
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
         if self.boundary.kind in ARCHITECTURAL_KINDS:

@@ -50,6 +50,10 @@ def resolve_model_name(name: str) -> str:
     if path.suffix == ".gguf":
         if not path.is_file():
             raise ConfigError(f"model.name: GGUF file {name!r} not found")
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ConfigError(f"model.name: {name!r} is not a GGUF file (it does not start with the GGUF magic "
+                                  "bytes): give a .gguf model file or a Hugging Face model folder")
         return name
     if path.is_dir():
         if not (path / "config.json").is_file():
