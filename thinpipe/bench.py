@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 from thinpipe.comm.netns import KERNEL_BURST_BYTES
+from thinpipe.config import ConfigError
 from thinpipe.comm.header import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
 
@@ -146,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     only = [a.strip() for a in args.only.split(";") if a.strip()]
     unknown = set(only) - set(ARMS)
     if unknown:
-        raise SystemExit(f"unknown arm(s) {sorted(unknown)}: choose from {list(ARMS)}")
+        raise ConfigError(f"--only: unknown arm(s) {sorted(unknown)}: choose from {list(ARMS)}")
+    for name in ("steps", "calibration_steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if min(args.pp_mbps, args.dp_mbps) <= 0 or args.latency_ms < 0:
+        raise ConfigError("--pp-mbps and --dp-mbps must be > 0 and --latency-ms >= 0")
     arms = {k: v for k, v in ARMS.items() if not only or k in only}
     results, failed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -314,13 +315,27 @@ def cmd_demo(args) -> int:
     return run_demo(args.out, quick=args.quick)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors as one line (``error: ...``, exit 2) like every other bad input, not usage + error."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: give auto, cpu, cuda or cuda:N")
+    return value
+
+
 def _device_arg(p) -> None:
-    p.add_argument("--device", default="auto", help="auto (CUDA when available) | cpu | cuda | cuda:N; a run "
-                                                    "loads on any device, whatever it trained on")
+    p.add_argument("--device", default="auto", type=_device,
+                   help="auto (CUDA when available) | cpu | cuda | cuda:N; a run loads on any device, whatever it "
+                        "trained on")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="thinpipe", description=__doc__.splitlines()[0])
+    p = _Parser(prog="thinpipe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train on the simulated mesh")
@@ -408,9 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own options (thinpipe/bench.py)
         from thinpipe.bench import main as bench
 
-        return bench(argv[1:])
+        try:
+            return bench(argv[1:])
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error, already printed as one line (2)
+        return int(e.code or 0)
     try:
         return args.func(args)
     except ConfigError as e:
