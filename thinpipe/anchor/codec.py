@@ -67,7 +67,9 @@ def encode_push(grads: dict[str, torch.Tensor], state: PowerSGDState | None,
     drive_lockstep([powersgd_average(state, work, rec, 0, 1)])
     plan = factorized({n: tuple(g.shape) for n, g in grads.items()}, state)
     dense = [work[n] for n in grads if n not in plan]
-    out = {"dense": torch.cat([_in_wire_dtype(g, wire_dtype).reshape(-1) for g in dense]) if dense else torch.zeros(0)}
+    device = next(iter(grads.values())).device
+    out = {"dense": torch.cat([_in_wire_dtype(g, wire_dtype).reshape(-1) for g in dense]) if dense
+           else torch.zeros(0, device=device)}
     if plan:
         # rec.sent: [dense all-reduce (if any dense), P, Q'] in powersgd_average's order
         out["p"], out["q"] = _in_wire_dtype(rec.sent[-2], wire_dtype), _in_wire_dtype(rec.sent[-1], wire_dtype)

@@ -18,8 +18,9 @@ def cosine_with_warmup(step: int, total_steps: int, warmup_ratio: float, min_lr_
 
 def tensor_norms(params) -> torch.Tensor:
     """Per-tensor L2 norms of the gradients (a small vector each stage can share)."""
+    params = list(params)
     norms = [torch.linalg.vector_norm(p.grad.detach().float(), 2) for p in params if p.grad is not None]
-    return torch.stack(norms) if norms else torch.zeros(0)
+    return torch.stack(norms) if norms else torch.zeros(0, device=params[0].device if params else None)
 
 
 def clip_coefficient(all_norms: torch.Tensor, max_norm: float) -> tuple[float, float]:
