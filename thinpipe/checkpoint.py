@@ -62,6 +62,10 @@ def encode_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
             tensors[key] = t.contiguous()
             if t.numel():
                 seen[ident] = key
+            if _permuted_dense(t) and not t.is_contiguous():
+                # the layout too (a transposed Parameter's optimizer momentum): matmuls round by layout, so a
+                # resumed run equals an uninterrupted one only if every tensor comes back with its strides
+                return {"__tensor__": key, "stride": list(t.stride())}
             return {"__tensor__": key}
         if x is None or isinstance(x, (bool, int, str)):
             return x
@@ -83,6 +87,17 @@ def encode_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
     return enc(tree, ""), tensors
 
 
+def _permuted_dense(t: torch.Tensor) -> bool:
+    """True when ``t``'s strides are a permutation of a contiguous layout (no gaps, no overlap)."""
+    dims = sorted(range(t.ndim), key=lambda d: (t.stride(d), -t.shape[d]))
+    expected = 1
+    for d in dims:
+        if t.shape[d] != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
+
+
 def decode_tree(skeleton, tensors: dict[str, torch.Tensor]):
     """The inverse of ``encode_tree``; refuses anything it does not know."""
     def dec(x):
@@ -94,7 +109,14 @@ def decode_tree(skeleton, tensors: dict[str, torch.Tensor]):
             if "__tensor__" in x:
                 if x["__tensor__"] not in tensors:
                     raise CheckpointError(f"checkpoint names a tensor {x['__tensor__']!r} its tensor file lacks")
-                return tensors[x["__tensor__"]]
+                t = tensors[x["__tensor__"]]
+                if "stride" in x:
+                    stride = tuple(int(s) for s in x["stride"])
+                    probe = torch.empty_strided(t.shape, stride, dtype=t.dtype, device="meta")
+                    if len(stride) != t.ndim or not _permuted_dense(probe):
+                        raise CheckpointError(f"checkpoint gives tensor {x['__tensor__']!r} an invalid layout {stride}")
+                    t = torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
+                return t
             if "__float__" in x:
                 return float(x["__float__"])
             if "__dtype__" in x:
