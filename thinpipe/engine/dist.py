@@ -99,6 +99,12 @@ class RankSetup:
                          hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device)
 
 
+def _held(state: dict) -> dict:
+    """A boundary's state without the neighbouring stage's placeholders (meta tensors: this rank
+    builds only its own stage, ``setup.load_stage``); they hold no data and are not this rank's."""
+    return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
 def anchor_rank(r: RankSetup) -> AnchorStageRank:
     return anchor_stage_rank(r.cfg, r.stage, r.layout, r.role.rank, r.groups, ByteMeter(), r.links,
                              wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.actions, r.train_ds, r.hidden_size)
@@ -237,7 +243,7 @@ class DistEngine:
         step, part = self.step_index, f"rank{self.rank}"
         save_part(step_dir(folder, step), part,
                   {"step": step, "world_size": self.world_size, "role": self.role.__dict__, "rank": self.rk.state_dict(),
-                   "boundaries": {b.index: b.state_dict() for b in (self.in_b, self.out_b) if b is not None},
+                   "boundaries": {b.index: _held(b.state_dict()) for b in (self.in_b, self.out_b) if b is not None},
                    "bytes": self.meter.snapshot(), **extra})
         if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(step) and self.rank == self.world_size - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {step}")
@@ -265,7 +271,10 @@ class DistEngine:
         self.step_index = state["step"]
         for b in (self.in_b, self.out_b):
             if b is not None:
-                b.load_state_dict(state["boundaries"][b.index])
+                missing, unexpected = b.load_state_dict(state["boundaries"][b.index], strict=False)
+                if unexpected or set(missing) & set(_held(b.state_dict())):  # only placeholders may be absent
+                    raise ConfigError(f"--resume: boundary {b.index}'s checkpoint does not match this run "
+                                      f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
         for work in self.rk.load_state_dict(state["rank"]):
             work.wait()
         # The receiver's copy of shared boundary parameters equals the owner's again (not metered:
