@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from thinpipe.checkpoint import (CheckpointError, _permuted_dense, decode_tree, encode_tree, latest_complete, load_part, prune,
-                                 save_part, sets, step_dir)
+                                 remove_parts, save_part, sets, step_dir)
 
 
 def nasty_tree():
@@ -94,6 +94,19 @@ def test_the_newest_set_that_verifies_is_used_and_old_sets_are_pruned(tmp_path):
     save_part(step_dir(tmp_path, 8), "mesh", {"step": 8})
     prune(tmp_path, 2, ["mesh"])  # 8 and 4 verify; 6 is older than a verified set and damaged: gone
     assert [s for s, _ in sets(tmp_path)] == [8, 4]
+
+
+def test_removing_parts_of_a_set_another_rank_already_emptied_and_removed_is_not_an_error(tmp_path):
+    """Ranks prune concurrently: the rank that removes the last part also removes the folder, while another
+    rank (whose part of that set was never complete) may be about to look inside it (found by CI)."""
+    folder = step_dir(tmp_path, 4)
+    save_part(folder, "rank0", {"step": 4})
+    (folder / ".rank1.safetensors.tmp").write_bytes(b"interrupted")
+    remove_parts(folder, ["rank1"])       # rank 1's leftovers go; rank 0's part stays
+    assert sorted(p.name for p in folder.iterdir()) == ["rank0.json", "rank0.safetensors", "rank0.sha256"]
+    remove_parts(folder, ["rank0"])
+    assert not folder.exists()
+    remove_parts(folder, ["rank1"])       # the folder is gone: nothing to do, no error
 
 
 def test_no_set_at_all_is_none_and_only_damaged_sets_is_an_error(tmp_path):

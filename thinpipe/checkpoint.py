@@ -259,13 +259,16 @@ def remove_parts(folder: Path, parts: list[str]) -> None:
     for p in parts:
         for suffix in (".sha256", ".json", ".safetensors"):   # the digest first: the part is incomplete at once
             (folder / f"{p}{suffix}").unlink(missing_ok=True)
-    for tmp in folder.glob(".*"):                              # a write interrupted by a crash
-        if any(tmp.name.startswith(f".{p}.") for p in parts):
-            tmp.unlink(missing_ok=True)
+    try:
+        leftovers = [t for t in folder.iterdir() if any(t.name.startswith(f".{p}.") for p in parts)]
+    except FileNotFoundError:
+        return  # another rank removed its last part and the emptied folder meanwhile
+    for tmp in leftovers:                                       # a write interrupted by a crash
+        tmp.unlink(missing_ok=True)
     try:
         folder.rmdir()
     except OSError:
-        pass  # other ranks' parts are still there
+        pass  # other ranks' parts are still there (or the folder is gone already)
 
 
 def prune(root: Path, keep: int, parts: list[str]) -> None:
