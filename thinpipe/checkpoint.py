@@ -271,11 +271,15 @@ def remove_parts(folder: Path, parts: list[str]) -> None:
         pass  # other ranks' parts are still there (or the folder is gone already)
 
 
-def prune(root: Path, keep: int, parts: list[str]) -> None:
+def prune(root: Path, keep: int, parts: list[str], upto: int | None = None) -> None:
     """Keep the newest ``keep`` sets whose ``parts`` verify, and any set newer than the newest of them
-    (another rank may still be writing it); remove ``parts`` of the rest (older, damaged or incomplete)."""
+    (another rank may still be writing it); remove ``parts`` of the rest (older, damaged or incomplete).
+    ``upto``: only sets of that step or older are considered (newer ones are kept), for a rank that
+    learns late which set all ranks completed (the anchor's, ``anchor/dist.py``)."""
     kept = 0
-    for _, folder in sets(root):
+    for step, folder in sets(root):
+        if upto is not None and step > upto:
+            continue
         if kept >= keep:
             remove_parts(folder, parts)
         elif verifies(folder, parts):

@@ -18,7 +18,15 @@ Cycle order: anchor stage 0 picks the cycle (``fixed``: every pull in order, as 
 runs them; ``arrival``: the newest pull, older ones are skipped) and passes its step down the row
 before the forward; the other stages take their own pull of that step. A stop (step -1) from the
 fast side ends the loop; every anchor rank then sends an end message (its byte meter and whether
-it failed) to its fast ranks. An anchor rank that fails (an exception) logs it, sends the end
+it failed) to its fast ranks.
+
+Checkpoints (``thinpipe/checkpoint.py``, docs/reliability.md): at a checkpoint of step N, fast replica 0
+sends a CHECKPOINT marker on each stage's pull link after its pulls of steps < N; the anchor runs
+every cycle queued before it, saves its part ``rank{r}`` of the set (cycles run: its data position;
+the PowerSGD push state; its byte meter) and acknowledges on the push link, and each fast rank takes
+pushes until that acknowledgement, so the priors of every pull before N are in its own part (arrived,
+not yet consumed) or consumed. Nothing is in flight in a set, and a resumed run continues bitwise
+(``fixed`` delivery). The fast circuit waits for the anchor's queued cycles once per checkpoint. An anchor rank that fails (an exception) logs it, sends the end
 message marked failed and leaves: the fast circuit continues without priors (the spectral filter
 keeps its last basis) and says so.
 """
@@ -36,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from thinpipe.anchor.sim import run_anchor_pass, staleness_stats
+from thinpipe.checkpoint import prune, save_part, step_dir
 from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.payload import Payload
@@ -45,6 +54,7 @@ from thinpipe.log import say
 from thinpipe.placement import device_of, to_device
 
 STOP = -1
+CHECKPOINT = -2  # pull-link marker: save the anchor's part of set ``at`` after every earlier pull, then acknowledge
 
 
 def _step_of(payload: Payload) -> int:
@@ -80,6 +90,7 @@ class AnchorFeed:
         self.staleness_seen: list[int] = []
         self.wait_s = 0.0
         self.pulls_skipped = 0
+        self.acked = -1  # the newest checkpoint step the anchor has acknowledged
         self._thread = threading.Thread(target=self._receive, name="thinpipe-anchor-push", daemon=True)
         self._thread.start()
 
@@ -111,9 +122,11 @@ class AnchorFeed:
         self.flush()
         self.wait_s += time.perf_counter() - t0
         flat = encode_pull(trained(self.stage), self.wire_dtype)
+        self._send_pull({"step": torch.tensor([step]), "w": flat}, "anchor", flat.nbytes)
+
+    def _send_pull(self, tensors: dict, axis, metered: int | None = None) -> None:
         try:
-            self.pull_transport.send(Pull(self.stage.index), Payload({"step": torch.tensor([step]), "w": flat}), "anchor",
-                                     metered=flat.nbytes)
+            self.pull_transport.send(Pull(self.stage.index), Payload(tensors), axis, metered=metered)
         except Exception as e:
             self._end(failed=True, why=f"a pull could not be sent ({e})")
 
@@ -141,6 +154,9 @@ class AnchorFeed:
             self._end(failed=True, why=f"its link broke ({item})")
             return False
         step = _step_of(item)
+        if step == CHECKPOINT:
+            self.acked = int(item.tensors["at"][0])
+            return True
         if step == STOP:
             t = item.tensors
             self.anchor_bytes = {a_: int(v) for a_, v in zip(AXES, t["bytes"].tolist())}
@@ -176,6 +192,35 @@ class AnchorFeed:
         self.staleness_seen += [step - a.produced_step for a in take]
         return [a.grads for a in take]
 
+    def checkpoint(self, step: int, complete: int) -> dict:
+        """This rank's side of the checkpoint of ``step`` (module docstring): replica 0 sends the marker
+        after its pulls; every replica takes pushes until the anchor's acknowledgement. ``complete``:
+        the newest set every rank holds (the anchor drops its older parts as the fast ranks did)."""
+        t0 = time.perf_counter()
+        if self.replica == 0:
+            while self._take(block=False):
+                pass
+            if not self.ended:
+                self.flush()
+                self._send_pull({"step": torch.tensor([CHECKPOINT]), "at": torch.tensor([step]),
+                                 "complete": torch.tensor([complete])}, None)
+        while not self.ended and self.acked < step:
+            self._take(block=True)
+        self.wait_s += time.perf_counter() - t0
+        return self.state_dict()
+
+    def state_dict(self) -> dict:
+        return {"ready": [(a.produced_step, a.grads) for a in self.ready], "staleness_seen": list(self.staleness_seen),
+                "wait_s": self.wait_s, "pulls_skipped": self.pulls_skipped, "ended": self.ended}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run's priors that had arrived but were not yet due, and the counts so far. A set
+        written after the anchor ended holds no anchor parts and is never resumed from."""
+        device = device_of(self.stage)
+        self.ready = [Arrived(int(p), {n: g.to(device) for n, g in grads.items()}) for p, grads in state["ready"]]
+        self.staleness_seen = [int(x) for x in state["staleness_seen"]]
+        self.wait_s, self.pulls_skipped = float(state["wait_s"]), int(state["pulls_skipped"])
+
     def summary(self) -> dict:
         """The simulation's keys, plus how long the fast circuit waited on the anchor (late priors, a
         pull that had not left), the pulls ``arrival`` skipped because the last one was still on its
@@ -183,16 +228,14 @@ class AnchorFeed:
         return {**staleness_stats(self.staleness_seen), "anchor_delivery": self.delivery, "anchor_wait_s": self.wait_s,
                 "anchor_failed": self.anchor_failed, "anchor_pulls_skipped": self.pulls_skipped}
 
-    def finish(self) -> None:
+    def finish(self, complete: int = -1) -> None:
         """End of training: replica 0 stops the anchor stage; every fast rank waits for its end
-        message (priors still arriving are dropped), which carries the anchor rank's byte meter."""
+        message (priors still arriving are dropped), which carries the anchor rank's byte meter.
+        ``complete``: the newest set every rank holds (the anchor drops its older parts)."""
         while self._take(block=False):
             pass
         if self.replica == 0 and not self.ended:
-            try:
-                self.pull_transport.send(Pull(self.stage.index), Payload({"step": torch.tensor([STOP])}), None)
-            except Exception as e:
-                self._end(failed=True, why=f"the stop could not be sent ({e})")
+            self._send_pull({"step": torch.tensor([STOP]), "complete": torch.tensor([complete])}, None)
             self.flush()
         while self._take(block=True):
             pass
@@ -202,12 +245,15 @@ class AnchorFeed:
 class AnchorStageRank:
     """An anchor replica's stage process: the loop of cycles (see the module docstring)."""
 
-    def __init__(self, cfg, stage, worker, actions, layout, pull_transport, push_transport, row_transport,
-                 meter: ByteMeter, wire_dtype, data):
-        self.cfg, self.stage, self.worker, self.layout = cfg, stage, worker, layout
+    def __init__(self, cfg, stage, worker, actions, layout, rank: int, pull_transport, push_transport, row_transport,
+                 meter: ByteMeter, wire_dtype, data_from, folder=None):
+        """``data_from(cycles)``: the anchor's batches from cycle ``cycles`` on; ``folder``: the run's
+        checkpoint folder (None: no checkpoints)."""
+        self.cfg, self.stage, self.worker, self.layout, self.rank = cfg, stage, worker, layout, rank
         self.order = [(stage.index, a) for a in actions]
         self.pull_transport, self.push_transport, self.row_transport = pull_transport, push_transport, row_transport
-        self.meter, self.wire_dtype, self.data = meter, wire_dtype, data
+        self.meter, self.wire_dtype, self.data_from, self.folder = meter, wire_dtype, data_from, folder
+        self.data = data_from(0)
         self.push = (PowerSGDState(rank=cfg.anchor.push_rank, start_step=0, seed=cfg.train.seed + stage.index)
                      if cfg.anchor.push_rank else None)
         self.pulls: queue.Queue = queue.Queue()
@@ -233,7 +279,7 @@ class AnchorStageRank:
     def _next_pull(self, newest: bool) -> Payload:
         """The next pull in order, or with ``newest`` the latest one queued (the others skipped)."""
         item = self.pulls.get()
-        while newest and isinstance(item, Payload) and _step_of(item) != STOP and not self.pulls.empty():
+        while newest and isinstance(item, Payload) and _step_of(item) >= 0 and not self.pulls.empty():
             self.skipped += 1
             item = self.pulls.get()
         if isinstance(item, BaseException):
@@ -241,14 +287,44 @@ class AnchorStageRank:
         return item
 
     def _pull_of(self, step: int) -> Payload:
-        """The pull of ``step`` (older ones were skipped by stage 0's choice of cycle)."""
+        """The pull of ``step`` or the CHECKPOINT marker (older pulls were skipped by stage 0's choice)."""
         while True:
             item = self._next_pull(newest=False)
             s = _step_of(item)
             if s == step or s == STOP:
                 return item
-            if s > step:
+            if step != CHECKPOINT and (s > step or s == CHECKPOINT):
                 raise RuntimeError(f"anchor stage {self.stage.index}: cycle {step} was chosen but its pull is missing")
+
+    # checkpoints (module docstring) ---------------------------------------------------------------
+    def _prune(self, marker: Payload) -> None:
+        """Drop this rank's parts of the sets the fast ranks dropped once set ``complete`` was whole."""
+        complete = int(marker.tensors["complete"][0])
+        if self.folder is not None and complete >= 0:
+            prune(self.folder, self.cfg.train.keep_checkpoints, [f"rank{self.rank}"], upto=complete)
+
+    def _checkpoint(self, marker: Payload) -> None:
+        at = int(marker.tensors["at"][0])
+        if self.folder is not None:
+            save_part(step_dir(self.folder, at), f"rank{self.rank}", {
+                "step": at, "world_size": self.layout.world_size, "role": self.layout.role(self.rank).__dict__,
+                "anchor_rank": self.state_dict(), "bytes": self.meter.snapshot()})
+        self._prune(marker)
+        for r in range(self.layout.dp):
+            self.push_transport.send(Push(r, self.stage.index), Payload({"step": torch.tensor([CHECKPOINT]),
+                                                                         "at": torch.tensor([at])}), None)
+        self.push_transport.flush()
+
+    def state_dict(self) -> dict:
+        return {"cycles": self.cycles, "skipped": self.skipped, "push": self.push.state_dict() if self.push else None}
+
+    def load_state_dict(self, state: dict, meter: dict) -> None:
+        """Resume: the data position (cycles run), the push's error feedback, the byte meter."""
+        self.cycles, self.skipped = int(state["cycles"]), int(state["skipped"])
+        if self.push is not None:
+            self.push.load_state_dict(state["push"])
+        self.data = self.data_from(self.cycles)
+        self.meter.totals.update(meter)
 
     def run(self, fault_at_cycle: int = -1) -> None:
         """Cycles until the fast circuit's stop. After a failure this process leaves at once
@@ -268,7 +344,11 @@ class AnchorStageRank:
                     self.row_transport.send(AnchorCycle(s), Payload({"step": torch.tensor([step])}), None)
                 if step == STOP:
                     self.row_transport.flush()  # the next stage's stop must have left before teardown
+                    self._prune(pull)
                     break
+                if step == CHECKPOINT:
+                    self._checkpoint(pull)
+                    continue
                 if self.cycles == fault_at_cycle:
                     raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")
                 load_pull(trained(self.stage), pull.tensors["w"])

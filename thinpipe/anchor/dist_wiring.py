@@ -18,7 +18,7 @@ from thinpipe.comm.distgroup import DistGroup
 from thinpipe.comm.groups import ProcessGroups
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config
-from thinpipe.engine.setup import anchor_stream
+from thinpipe.engine.setup import anchor_batches
 from thinpipe.engine.worker import StageWorker
 from thinpipe.placement import device_of
 
@@ -32,9 +32,10 @@ def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter:
 
 
 def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
-                      wire_dtype, compute_dtype, actions, train_ds, hidden: int) -> AnchorStageRank:
+                      wire_dtype, compute_dtype, actions, train_ds, hidden: int, folder=None) -> AnchorStageRank:
     """An anchor replica's stage process: dense boundaries, its PP traffic on the ``anchor`` axis
-    over the anchor row's links (shaped like the fast rows'), its own data shard."""
+    over the anchor row's links (shaped like the fast rows'), its own data shard; its checkpoint
+    parts in ``folder`` (the run's ``checkpoint/``)."""
     m, s = cfg.mesh, stage.index
     dense = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
     device = device_of(stage)
@@ -43,8 +44,8 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
     worker = StageWorker(stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None, row,
                          compute_dtype, axes=("anchor", "anchor"))
     pull, push = anchor_transports(layout, me, s, groups, meter, links, device)
-    return AnchorStageRank(cfg, stage, worker, actions, layout, pull, push, row, meter, wire_dtype,
-                           anchor_stream(cfg, train_ds, 0))
+    return AnchorStageRank(cfg, stage, worker, actions, layout, me, pull, push, row, meter, wire_dtype,
+                           lambda cycles: anchor_batches(cfg, train_ds, cycles), folder)
 
 
 def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: ProcessGroups, meter: ByteMeter,

@@ -10,8 +10,9 @@ same loop, rows and summary as the simulation); an anchor rank runs its cycles (
 until the fast circuit stops it. Everything ranks exchange after start-up is tensors (validated
 payload headers, fixed-size collectives), never pickled objects. A rank computes on
 ``train.device`` (``cuda``: ``cuda:(LOCAL_RANK mod GPUs)``); what it sends is staged through host
-memory (``comm/staging.py``). Not yet (use the simulation):
-gradient diagnostics, resuming a run with an anchor circuit.
+memory (``comm/staging.py``). Every rank, the anchor's included, writes its own part of each
+checkpoint set; ``--resume`` starts from the newest set every rank holds. Not yet (use the
+simulation): gradient diagnostics.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from thinpipe.analysis import energy_vs_fixed
 from thinpipe.anchor.dist import AnchorStageRank
 from thinpipe.anchor.dist_wiring import anchor_feed, anchor_stage_rank
 from thinpipe.checkpoint import load_part, prune, refuse_legacy, save_part, sets, step_dir, verifies
+
+KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
 from thinpipe.boundary import build_boundaries
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.dist import DistTransport, broadcast_payload
@@ -52,10 +55,7 @@ from thinpipe.models import Stage
 from thinpipe.placement import local_rank, move, to_device
 
 
-def check_supported(cfg: Config, resume: bool = False) -> None:
-    if cfg.mesh.anchor and resume:
-        raise ConfigError("--engine dist cannot resume a run with an anchor circuit yet (its priors in flight are "
-                          "not checkpointed): start it again, or resume it in the simulation")
+def check_supported(cfg: Config) -> None:
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
 
@@ -105,9 +105,30 @@ def _held(state: dict) -> dict:
     return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
 
 
-def anchor_rank(r: RankSetup) -> AnchorStageRank:
+def anchor_rank(r: RankSetup, folder: Path) -> AnchorStageRank:
     return anchor_stage_rank(r.cfg, r.stage, r.layout, r.role.rank, r.groups, ByteMeter(), r.links,
-                             wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.actions, r.train_ds, r.hidden_size)
+                             wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.actions, r.train_ds, r.hidden_size, folder)
+
+
+def agreed_set(folder: Path, rank: int, world_size: int) -> tuple[int, dict]:
+    """(step, this rank's state) of the newest set whose part verifies on every rank of the job, the
+    anchor's included (one collective over all ranks: each reports its newest verified steps)."""
+    mine = [s for s, f in sets(folder) if verifies(f, [f"rank{rank}"])][:KEEP_LISTED]
+    t = torch.full((KEEP_LISTED,), -1, dtype=torch.int64)
+    t[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t)
+    common = set.intersection(*({int(x) for x in o.tolist()} for o in out)) - {-1}
+    if not common:
+        refuse_legacy(folder)
+        raise ConfigError(f"--resume: no checkpoint in {folder} is complete on all {world_size} ranks (a set written "
+                          "after an anchor rank failed holds no part of it); start without --resume")
+    step = max(common)
+    state = load_part(step_dir(folder, step), f"rank{rank}")
+    if state["world_size"] != world_size:
+        raise ConfigError(f"--resume: the checkpoint was written by {state['world_size']} ranks, this job has "
+                          f"{world_size}")
+    return step, state
 
 
 class DistEngine:
@@ -132,6 +153,7 @@ class DistEngine:
         self.feed = (anchor_feed(cfg, self.stage, self.role.replica, self.layout, self.rank, self.groups, self.meter,
                                  links, wire_dtype(cfg)) if m.anchor else None)
         self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
+        self._complete = -1  # the newest checkpoint set every rank holds
         self._stream = None
         self._fault_at = int(os.environ.get("THINPIPE_FAULT_AT_STEP", "-1"))  # crash-recovery tests only
 
@@ -239,36 +261,27 @@ class DistEngine:
     def save(self, folder: Path, extra: dict) -> None:
         """Every rank writes its part ``rank{r}`` of the set ``step{N}/`` (``thinpipe/checkpoint.py``);
         only once all have (barrier) does any rank drop its part of older sets, so a crash at any
-        moment (here or on another machine) leaves a set every rank holds."""
+        moment (here or on another machine) leaves a set every rank holds.
+        With an anchor circuit its ranks write their parts first (``AnchorFeed.checkpoint``: every
+        fast rank waits for their acknowledgement), so the barrier also means the anchor's are written.
+        """
         step, part = self.step_index, f"rank{self.rank}"
+        anchor = self.feed.checkpoint(step, self._complete) if self.feed is not None else None
         save_part(step_dir(folder, step), part,
                   {"step": step, "world_size": self.world_size, "role": self.role.__dict__, "rank": self.rk.state_dict(),
                    "boundaries": {b.index: _held(b.state_dict()) for b in (self.in_b, self.out_b) if b is not None},
-                   "bytes": self.meter.snapshot(), **extra})
-        if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(step) and self.rank == self.world_size - 1:
+                   "bytes": self.meter.snapshot(), "anchor": anchor, **extra})
+        if os.environ.get("THINPIPE_FAULT_AT_CHECKPOINT") == str(step) and self.rank == self.layout.dp * self.layout.pp - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {step}")
         dist.barrier(group=self.groups.fast)
+        self._complete = step
         prune(folder, self.cfg.train.keep_checkpoints, [part])
 
-    def _agreed_set(self, folder: Path) -> int:
-        """The newest step whose part verifies on every rank (each checks its own; MIN over ranks)."""
-        part = f"rank{self.rank}"
-        mine = next((s for s, f in sets(folder) if verifies(f, [part])), -1)
-        steps = self._gather([float(mine)])
-        step = int(min(float(s[0]) for s in steps))
-        if step < 0:
-            refuse_legacy(folder)
-            raise ConfigError(f"--resume: no complete checkpoint of all {self.world_size} ranks in {folder}; start "
-                              "without --resume")
-        return step
-
     def load(self, folder: Path) -> tuple[int, dict]:
-        step = self._agreed_set(folder)
-        state = load_part(step_dir(folder, step), f"rank{self.rank}")
-        if state["world_size"] != self.world_size:
-            raise ConfigError(f"--resume: the checkpoint was written by {state['world_size']} ranks, this job has "
-                              f"{self.world_size}")
-        self.step_index = state["step"]
+        step, state = agreed_set(folder, self.rank, self.world_size)
+        self.step_index, self._complete = state["step"], step
+        if self.feed is not None:
+            self.feed.load_state_dict(state["anchor"])
         for b in (self.in_b, self.out_b):
             if b is not None:
                 missing, unexpected = b.load_state_dict(state["boundaries"][b.index], strict=False)
@@ -295,7 +308,7 @@ class DistEngine:
         """Stop the anchor circuit; its ranks' bytes join the totals (replica 0 counts them once)."""
         if self.feed is None:
             return
-        self.feed.finish()
+        self.feed.finish(self._complete)
         extra = [float(self.feed.anchor_bytes[a]) if self.role.replica == 0 else 0.0 for a in AXES]
         rows = self._gather(extra)
         for i, a in enumerate(AXES):
@@ -337,7 +350,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
     """Run this process's rank of a distributed training run; rank 0 writes the run folder and
     returns the summary (other ranks return None). ``resume`` continues from the per-rank
     checkpoints in ``out/checkpoint`` (the same trajectory as an uninterrupted run)."""
-    check_supported(cfg, resume)
+    check_supported(cfg)
     exit_with_launcher()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
@@ -357,7 +370,10 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
             f"stage {role.stage} (layers {st.first_layer}-{st.first_layer + len(st.layers) - 1})")
         if role.circuit == "anchor":
             # Off the critical path: cycles until the fast circuit stops it (see anchor/dist.py).
-            rank = anchor_rank(setup)
+            rank = anchor_rank(setup, Path(out) / "checkpoint")
+            if resume:
+                _, state = agreed_set(Path(out) / "checkpoint", role.rank, setup.layout.world_size)
+                rank.load_state_dict(state["anchor_rank"], state["bytes"])
             rank.run(fault_at_cycle=int(os.environ.get("THINPIPE_FAULT_ANCHOR_AT_CYCLE", "-1")) if st.is_last else -1)
             return None
         rank = DistEngine(setup)

@@ -145,12 +145,12 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     wall = time.perf_counter() - wall0
     if not engine.weights_finite():
         raise _diverged(t.steps - 1, "non-finite weights after its update", last_good, ckpt, t.lr)
+    engine.save(ckpt, {"val_points": val_points})  # before the anchor circuit stops: its ranks write their parts
     engine.finish()
     final_val = engine.validation_loss()
     val_points.append((t.steps, final_val))
     b = engine.bytes_total()
     extras = engine.summary_extras()
-    engine.save(ckpt, {"val_points": val_points})
     if not engine.lead:
         return None
     tokens = t.steps * tokens_per_step

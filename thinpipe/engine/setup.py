@@ -120,8 +120,14 @@ def replica_stream(cfg: Config, train: PackedDataset, replica: int, start_step: 
 
 def anchor_stream(cfg: Config, train: PackedDataset, start_step: int):
     """The anchor replica's batches, one per cycle, from the first cycle at or after ``start_step``."""
-    t, every = cfg.train, cfg.anchor.every or cfg.anchor.staleness
-    cycles_done = -(-start_step // every)  # cycles started at steps 0, every, 2 every, ... < start
+    every = cfg.anchor.every or cfg.anchor.staleness
+    return anchor_batches(cfg, train, -(-start_step // every))  # cycles started at 0, every, 2 every, ... < start
+
+
+def anchor_batches(cfg: Config, train: PackedDataset, cycles_done: int):
+    """The anchor replica's batches after ``cycles_done`` cycles (with ``arrival`` delivery a real
+    anchor skips cycles, so its position is counted in cycles run, not in steps)."""
+    t = cfg.train
     return batches(train, t.batch_size, t.seed, shard=cfg.mesh.dp, num_shards=cfg.mesh.dp + cfg.mesh.anchor,
                    start_step=cycles_done)
 
