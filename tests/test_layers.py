@@ -25,7 +25,7 @@ LAYERS = [
     ["thinpipe.engine.sim", "thinpipe.engine.sim_engine",  # runners
      "thinpipe.engine.dist", "thinpipe.engine.run", "thinpipe.engine"],
     ["thinpipe.runs"],                                                                   # run folders
-    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.plan", "thinpipe.launch", "thinpipe.demo"],  # commands
+    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.demo"],  # commands
     ["thinpipe.bench"],                                                                  # runs plan + launch
     ["thinpipe.cli"],
     ["thinpipe.__main__", "thinpipe"],

@@ -1,4 +1,4 @@
-"""The one command line: ``thinpipe train | launch | plan | bench | eval | export | prune | analyze | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | export | prune | analyze | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -124,7 +124,8 @@ def cmd_plan(args) -> int:
                           f"{', '.join(sorted(ARCHITECTURES))}")
     device = resolve_device(name, ARCHITECTURES[cfg.model.name], cfg.train.dtype, args.remeasure)
     if args.target_tps is not None or args.max_mbps is not None:
-        return _print_advice(advise(cfg, device, args.target_tps, args.max_mbps), name, args.json)
+        return _print_advice(advise(cfg, device, args.target_tps, args.max_mbps, args.probe, args.max_damage), name,
+                             args.json)
     result = plan(cfg, device)
     result["device"] = name
     if args.json:
@@ -162,6 +163,7 @@ def _print_advice(advice: dict, device: str, as_json: bool) -> int:
           f"{advice['limits']['p_max']}, PowerSGD <= {advice['limits']['powersgd_max_x']:g}x, H <= "
           f"{advice['limits']['h_max']}" + (f", K_stale <= {advice['limits']['k_stale_max']:g}"
                                             if advice["limits"]["k_stale_max"] else ""))
+    print(f"quality: {advice['quality']}")
     if not advice["feasible"]:
         print(f"no setting meets it: {advice['why']}")
         return 1
@@ -170,7 +172,8 @@ def _print_advice(advice: dict, device: str, as_json: bool) -> int:
     print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
           f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP {r['t_dp_s']:.3f}, "
           f"{r['bytes_per_token_total']:.0f} B/token, DP compression {r['dp_compression_x']:.0f}x"
-          + (f", K_stale {r['k_stale']:.1f}" if "k_stale" in r else ""))
+          + (f", K_stale {r['k_stale']:.1f}" if "k_stale" in r else "")
+          + (f", forward damage {advice['damage']:+.2%}" if "damage" in advice else ""))
     return 0
 
 
@@ -309,6 +312,14 @@ def cmd_analyze(args) -> int:
     return 0
 
 
+def cmd_probe(args) -> int:
+    from thinpipe.probe import command
+
+    cfg = load_config(args.config, ([f"model.name={args.model}"] if args.model else []) + args.set)
+    _validate_names(cfg)
+    return command(cfg, args)
+
+
 def cmd_demo(args) -> int:
     from thinpipe.demo import run_demo
 
@@ -371,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "reaching this many tokens/s (exit 1 if none can)")
     pl.add_argument("--max-mbps", type=float, help="advice: every link at this many Mbit/s; without --target-tps, the "
                                                    "least compression at which the links keep up with compute (overlapped)")
+    pl.add_argument("--probe", help="advice within a quality bound: a probe.json of `thinpipe probe` (same model, stages)")
+    pl.add_argument("--max-damage", type=float, default=0.01, help="with --probe: the largest forward damage accepted, "
+                                                                    "a fraction of the dense held-out loss (0.01)")
     pl.set_defaults(func=cmd_plan)
 
     bn = sub.add_parser("bench", help="methods side by side over shaped links, measured vs predicted tokens/s",
@@ -409,6 +423,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--batches", type=int, default=4, help="validation batches to analyse")
     _device_arg(a)
     a.set_defaults(func=cmd_analyze)
+
+    q = sub.add_parser("probe", help="each boundary kind's forward damage, gradient alignment and bytes, no training")
+    q.add_argument("--model", help="the model (model.name), e.g. smollm2-135m")
+    q.add_argument("--config", help="TOML config file (mesh.pp, data, train.seq_len, train.batch_size apply)")
+    q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. mesh.pp=4")
+    q.add_argument("--kinds", help="comma-separated boundary kinds to probe (default: every kind of the grid)")
+    q.add_argument("--boundaries", help="comma-separated boundary indices to compress (default: all)")
+    q.add_argument("--batches", type=int, default=4, help="held-out batches per arm")
+    q.add_argument("--out", help="write probe.json and probe.png (loss against bytes) here")
+    q.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+    _device_arg(q)
+    q.set_defaults(func=cmd_probe)
 
     d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")
     d.add_argument("--out", default="runs/demo")

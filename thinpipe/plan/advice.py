@@ -15,6 +15,15 @@ inside the paper's stability limits:
 ratio x H). Masking goes last because it is what costs held-out loss in our measurements (issue 3:
 every masked arm ends above Dense), while DP compression with DiLoCo costs little at H = 10.
 
+Quality (issue 17): without a probe the advice says that it has not checked what its setting does to
+the model. With ``--probe probe.json`` (``thinpipe probe``, same model and stages) the boundary
+options are the probe's arms whose forward damage (held-out loss through the compressed boundaries,
+no training) is within ``--max-damage`` (a fraction of the dense loss, default 1%); among the
+settings that meet the target, the least damaged wins (then the least DP compression). When none
+meets both, the answer names the closest on each side: the fastest setting within the damage bound,
+and the least damaged setting that reaches the target. Bytes: the closed form's own formula for the
+kinds it models (tested equal to the probe's meter), the probe's measured fraction for the others.
+
 The target is met on the closed form's serialised tokens/s (App. J.1: the conservative number, and
 the one that fits the paper's Table 1 best, docs/plan.md); ``--max-mbps B`` sets every link to B
 Mbit/s and, without ``--target-tps``, asks for the least compression at which the links keep up
@@ -24,10 +33,12 @@ with compute when communication overlaps it (App. J.1's overlapped form): max(T_
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from thinpipe.config import Config, ConfigError, apply_overrides
-from thinpipe.plan.planner import ARCHITECTURES, Device, plan, powersgd_ratio
+from thinpipe.plan.planner import ARCHITECTURES, Device, activation_fraction, plan, powersgd_ratio
 
 MAX_P = 0.95
 MAX_POWERSGD_X = 64.0
@@ -39,8 +50,58 @@ H_GRID = (1, 10, 20, 50, 100, 200, 500)
 
 
 @dataclass(frozen=True)
+class BoundaryOption:
+    """One boundary setting the advice may recommend."""
+
+    arm: str
+    settings: dict = field(hash=False)   # boundary.* overrides
+    order: float                         # sort key: the mask ratio p, or with a probe its forward damage
+    damage: float | None = None          # the probe's relative held-out loss increase (None: not checked)
+    rho_act: float | None = None         # the probe's measured fraction of dense bytes (kinds the closed form lacks)
+
+
+def mask_options() -> list[BoundaryOption]:
+    return [BoundaryOption("dense" if p == 0 else f"mask p={p:g}",
+                           {"boundary.kind": "identity"} if p == 0 else {"boundary.kind": "mask", "boundary.p": p}, p)
+            for p in P_GRID]
+
+
+def load_probe(path: str | Path, cfg: Config, max_damage: float) -> list[BoundaryOption]:
+    """The arms of a ``thinpipe probe`` result within ``max_damage``, for this model and mesh."""
+    if not 0 <= max_damage:
+        raise ConfigError(f"--max-damage must be >= 0 (a fraction of the dense held-out loss), got {max_damage}")
+    try:
+        probe = json.loads(Path(path).read_text())
+        arms, model, pp = probe["arms"], probe["model"], probe["pp"]
+        rows = [(a["arm"], dict(a["settings"]), float(a["damage_rel"]), float(a["pp_fraction"])) for a in arms]
+    except FileNotFoundError:
+        raise ConfigError(f"--probe {path}: no such file; write one with `thinpipe probe --out DIR`") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--probe {path} is not a thinpipe probe result ({type(e).__name__}: {e}); write one with "
+                          "`thinpipe probe --out DIR`") from None
+    if model != cfg.model.name or pp != cfg.mesh.pp:
+        raise ConfigError(f"--probe {path} probed {model} with {pp} stages, the plan is for {cfg.model.name} with "
+                          f"{cfg.mesh.pp}: probe this model and mesh (thinpipe probe --model {cfg.model.name} --set "
+                          f"mesh.pp={cfg.mesh.pp})")
+    arch = ARCHITECTURES[cfg.model.name]
+    out = []
+    for arm, settings, damage, fraction in rows:
+        if damage > max_damage:
+            continue
+        c = copy.deepcopy(cfg)
+        apply_overrides(c, settings, source=f"--probe arm {arm!r}")
+        try:
+            activation_fraction(c, arch, 4)
+            rho = None  # the closed form models this kind's bytes at the plan's dtype
+        except ConfigError:
+            rho = fraction  # values in the wire dtype (MAPL, SSN): the measured fraction holds at any dtype
+        out.append(BoundaryOption(arm, settings, damage, damage, rho))
+    return out
+
+
+@dataclass(frozen=True)
 class Candidate:
-    p: float
+    boundary: BoundaryOption
     dp_kind: str
     dp_rank: int
     h: int
@@ -48,13 +109,16 @@ class Candidate:
     result: dict
 
     @property
+    def p(self) -> float:
+        """The advice's boundary order key (the mask ratio without a probe)."""
+        return self.boundary.order
+
+    @property
     def dp_compression_x(self) -> float:
         return self.powersgd_x * self.h
 
     def settings(self) -> dict[str, str]:
-        s = {"boundary.kind": "identity" if self.p == 0 else "mask"}
-        if self.p:
-            s["boundary.p"] = f"{self.p:g}"
+        s = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in self.boundary.settings.items()}
         s["dp.kind"] = self.dp_kind
         if self.dp_kind != "allreduce":
             s["dp.rank"] = str(self.dp_rank)
@@ -75,24 +139,23 @@ def _dp_options(cfg: Config) -> list[tuple[str, int, int, float]]:
     return out
 
 
-def candidates(cfg: Config, device: Device) -> list[Candidate]:
-    """Every setting on the grid, planned, in order of increasing compression."""
+def candidates(cfg: Config, device: Device, options: list[BoundaryOption] | None = None) -> list[Candidate]:
+    """Every setting on the grid (boundary ``options``, default the mask ratios), planned, in the
+    advice's order: least boundary order key first, then least DP compression."""
     out = []
-    for p in P_GRID:
+    for opt in options if options is not None else mask_options():
         for kind, rank, h, x in _dp_options(cfg):
             c = copy.deepcopy(cfg)
-            sets = {"boundary.kind": "identity" if p == 0 else "mask", "dp.kind": kind, "dp.rank": rank,
-                    "dp.inner_steps": h}
-            if p:
-                sets["boundary.p"] = p
-            apply_overrides(c, sets, source="plan advice")
-            out.append(Candidate(p, kind, rank, h, x, plan(c, device)))
+            apply_overrides(c, {**opt.settings, "dp.kind": kind, "dp.rank": rank, "dp.inner_steps": h},
+                            source="plan advice")
+            out.append(Candidate(opt, kind, rank, h, x, plan(c, device, opt.rho_act)))
     out.sort(key=lambda c: (c.p, c.dp_compression_x))
     return out
 
 
-def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbps: float | None = None) -> dict:
-    """The least-compressed setting that meets the target, or why none does."""
+def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbps: float | None = None,
+           probe: str | Path | None = None, max_damage: float = 0.01) -> dict:
+    """The least-compressed (with a probe: least damaged) setting that meets the target, or why none does."""
     if target_tps is None and max_mbps is None:
         raise ConfigError("advice needs --target-tps (tokens/s) and/or --max-mbps (Mbit/s per link)")
     if target_tps is not None and target_tps <= 0:
@@ -116,12 +179,19 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
     def stable(r: dict) -> bool:
         return r.get("k_stale", 0.0) <= MAX_STALENESS
 
+    options = load_probe(probe, cfg, max_damage) if probe is not None else None
+    out = {"goal": goal, "limits": {"p_max": MAX_P, "powersgd_max_x": MAX_POWERSGD_X, "h_max": MAX_H,
+                                    "k_stale_max": MAX_STALENESS if cfg.mesh.anchor else None},
+           "quality": (f"checked: forward damage <= {max_damage:.1%} of the dense held-out loss (thinpipe probe "
+                       f"{probe}, before training)" if probe is not None else
+                       "not checked: this advice knows bytes and time, not what the setting does to the model; "
+                       "run `thinpipe probe --out DIR` and pass --probe DIR/probe.json")}
+    if options is not None:
+        return _advise_with_quality(cfg, device, options, meets, stable, out, probe, max_damage)
     cands = candidates(cfg, device)
     fast_enough = [c for c in cands if meets(c.result)]
     ok = [c for c in fast_enough if stable(c.result)]
-    out = {"goal": goal, "limits": {"p_max": MAX_P, "powersgd_max_x": MAX_POWERSGD_X, "h_max": MAX_H,
-                                    "k_stale_max": MAX_STALENESS if cfg.mesh.anchor else None},
-           "searched": len(cands)}
+    out["searched"] = len(cands)
     if ok:
         best = ok[0]
         out.update(feasible=True, settings=best.settings(), plan=_summary(best))
@@ -140,6 +210,37 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
         out["why"] = (f"no setting within the limits reaches it: the fastest ({_describe(fastest)}) gives "
                       f"{r['tokens_per_s']:.0f} tokens/s, bound by {bound[0]} ({bound[1]:.2f} s of a "
                       f"{r['step_time_s']:.2f} s step); add replicas, bandwidth or faster devices")
+    return out
+
+
+def _advise_with_quality(cfg, device, options, meets, stable, out: dict, probe, max_damage: float) -> dict:
+    """The probe's side of ``advise``: ``options`` are the arms within the damage bound."""
+    everything = load_probe(probe, cfg, float("inf"))
+    cands = candidates(cfg, device, everything)
+    out["searched"] = len(cands)
+    fast = [c for c in cands if meets(c.result) and stable(c.result)]
+    good = {o.arm for o in options}
+    both = [c for c in fast if c.boundary.arm in good]
+    if both:
+        best = min(both, key=lambda c: (c.boundary.damage, c.dp_compression_x))
+        out.update(feasible=True, settings=best.settings(), plan=_summary(best), damage=best.boundary.damage)
+        return out
+    out["feasible"] = False
+    within = [c for c in cands if c.boundary.arm in good and stable(c.result)]
+    parts = [f"no probed setting both meets the goal and keeps the forward damage <= {max_damage:.1%}"]
+    if within:
+        c = max(within, key=lambda c: c.result["tokens_per_s"])
+        out["closest_within_damage"] = {"settings": c.settings(), "plan": _summary(c), "damage": c.boundary.damage}
+        parts.append(f"within the bound the fastest ({_describe(c)}) gives {c.result['tokens_per_s']:.0f} tokens/s")
+    else:
+        parts.append("no probed arm is within the bound")
+    if fast:
+        c = min(fast, key=lambda c: (c.boundary.damage, c.dp_compression_x))
+        out["closest_at_target"] = {"settings": c.settings(), "plan": _summary(c), "damage": c.boundary.damage}
+        parts.append(f"reaching the goal, the least damage is {c.boundary.damage:+.1%} ({_describe(c)})")
+    else:
+        parts.append("no probed setting reaches the goal")
+    out["why"] = "; ".join(parts)
     return out
 
 

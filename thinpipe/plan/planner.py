@@ -93,14 +93,15 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
     b = cfg.boundary
     if b.kind == "identity":
         return 1.0
+    kept = max(1, round((1.0 - b.p) * arch.hidden)) / arch.hidden  # K / H, K as boundary/mask.py: kept_dims
     if b.kind == "mask":
-        return 1.0 - b.p  # the mask comes from a shared PRF: no indices cross
+        return kept  # the mask comes from a shared PRF: no indices cross
     if b.kind == "topk":
         # forward: kept values + their indices; backward: values only (boundary/topk.py)
         index_bytes = 2 if arch.hidden < 2 ** 15 else 4
-        return (1.0 - b.p) * (1 + index_bytes / (2 * elem_bytes))
+        return kept * (1 + index_bytes / (2 * elem_bytes))
     if b.kind == "bottleneck":
-        return 1.0 - b.p  # K = (1-p) H values each way, nothing else
+        return kept  # K values each way, nothing else
     if b.kind in ("quant4", "quant2", "aqsgd", "tahquant"):
         # bits per value + the per-group offset and step (2 x bf16); AQ-SGD in its steady state
         # (every row revisited); TAH-Quant's extra bit on a share of the tiles and its meta byte.
@@ -116,7 +117,9 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
 
-def plan(cfg: Config, device: Device) -> dict:
+def plan(cfg: Config, device: Device, rho_act: float | None = None) -> dict:
+    """The closed form and schedule simulation of ``cfg`` on ``device``. ``rho_act``: the boundary's
+    measured fraction of dense bytes (``thinpipe probe``) for a kind the closed form does not model."""
     m, t, d, link = cfg.mesh, cfg.train, cfg.dp, cfg.link
     arch = ARCHITECTURES.get(cfg.model.name)
     if arch is None:
@@ -133,7 +136,7 @@ def plan(cfg: Config, device: Device) -> dict:
     S = t.batch_size * t.seq_len
     b = 2 if t.dtype == "bfloat16" else 4
     B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
-    rho_act = activation_fraction(cfg, arch, b)
+    rho_act = activation_fraction(cfg, arch, b) if rho_act is None else rho_act
     rho_dp, tau = 1.0, 1
     if d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0):
         rho_dp = powersgd_ratio(arch, d.rank or 4, t.lora)
