@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from thinpipe.boundary import AqsgdBoundary, BottleneckBoundary, QuantBoundary, TahQuantBoundary
+from thinpipe.boundary import AqsgdBoundary, BottleneckBoundary, OutlierBoundary, Payload, QuantBoundary, TahQuantBoundary
 from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
 from thinpipe.boundary.quant import dequantize, pack_bits, quantize, unpack_bits
 from thinpipe.boundary.tahquant import hadamard
@@ -79,7 +79,7 @@ def test_quant_boundary_bytes_equal_formula_and_gradient_is_quantised(kind_bits)
 def test_metered_bytes_equal_the_formula_for_every_new_kind():
     model = tiny_model("llama")
     tokens = 2 * 16
-    for kind in ("quant4", "quant2", "aqsgd", "tahquant", "bottleneck"):
+    for kind in ("quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier"):
         cfg = config(model__name="tiny-llama", mesh__pp=2, boundary__kind=kind, boundary__p=0.9,
                      train__batch_size=2, train__seq_len=16)
         mesh = SimMesh(model, cfg)
@@ -189,7 +189,7 @@ def test_bottleneck_is_a_projection_at_start_and_its_halves_live_on_their_stages
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck"])
+@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier"])
 def test_every_new_kind_trains_in_the_engine(kind, tmp_path):
     from thinpipe.engine.run import train
 
@@ -215,3 +215,33 @@ def test_bad_baseline_settings_are_refused(sets, message):
 def test_quant_group_must_divide_the_hidden_size():
     with pytest.raises(ValueError, match="must divide the hidden size"):
         QuantBoundary(0, 64, 4, 4, 48)
+
+
+def test_outlier_boundary_calibrates_the_massive_channels_and_sends_them_intact():
+    """Channels large for every token are found by the residual start, cross exactly, and no longer
+    spoil the other channels' grid: far less error than plain 2-bit quantisation at the same bits."""
+    torch.manual_seed(0)
+    H_, massive = 64, [5, 40]
+    x = torch.randn(2, 8, H_)
+    x[..., massive] = 60.0 + torch.randn(2, 8, 2)
+    b = OutlierBoundary(0, H_, 2, 2, 2, 16)
+    assert b.wants_residual_init
+    b.load_init(b.init_from_residuals(x.reshape(-1, H_)))
+    assert b.channels.tolist() == massive
+    ctx = SimpleNamespace(input_ids=torch.zeros(2, 8, dtype=torch.long))
+    _, payload = b.encode(x, ctx)
+    x_hat = b.decode(payload, ctx)
+    assert torch.equal(x_hat[..., massive], x[..., massive])
+    fwd, bwd = b.expected_bytes(16, 4)
+    assert payload.nbytes == fwd == 16 * 2 * 4 + 16 * H_ * 2 // 8 + 16 * H_ // 16 * 4
+    assert b.encode_grad(torch.randn(2, 8, H_), ctx).nbytes == bwd == 16 * H_ * 2 // 8 + 16 * H_ // 16 * 4
+    plain = QuantBoundary(0, H_, 2, 2, 16)
+    err_plain = (plain.decode(plain.encode(x, ctx)[1], ctx) - x).pow(2).mean()
+    err = (x_hat - x).pow(2).mean()
+    assert err < err_plain / 10, (float(err), float(err_plain))
+    # the backward: a rotated tile's error stays within the tile's rotated range (orthonormal H)
+    g = torch.randn(2, 8, H_)
+    g_hat = b.decode_grad(b.encode_grad(g, ctx), ctx)
+    assert (g_hat - g).pow(2).mean() < g.pow(2).mean() / 2
+    with pytest.raises(ValueError, match="do not fit"):
+        b.load_init(Payload({"channels": torch.tensor([1, 99])}))

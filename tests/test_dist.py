@@ -46,6 +46,11 @@ CASES = {
     "AQ-SGD over revisited rows, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
                                                  "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
                                                  "--set", "train.steps=5"]),
+    # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles both ways.
+    "outlier channels + rotated 2-bit, 2 replicas x 3 stages": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
+                                                                   "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
+                                                                   "--set", "boundary.outlier_channels=4",
+                                                                   "--set", "boundary.quant_group=16"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                               "--set", "mesh.dp=2", "--set", "boundary.kind=bottleneck",

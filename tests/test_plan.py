@@ -330,7 +330,7 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
     assert seven["des_shared_pipeline_s"] > 3 * seven["des_pipeline_s"]
 
 
-@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck"])
+@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier"])
 def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
     and boundary, on SmolLM2 (H 576) at fp32."""

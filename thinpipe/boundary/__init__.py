@@ -10,6 +10,7 @@ from thinpipe.boundary.bottleneck import BottleneckBoundary
 from thinpipe.boundary.mapl import MaplBoundary
 from thinpipe.boundary.mapl_vq import MaplVQBoundary
 from thinpipe.boundary.mask import MaskBoundary, kept_dims
+from thinpipe.boundary.outlier import OutlierBoundary
 from thinpipe.boundary.quant import QuantBoundary
 from thinpipe.boundary.ssn import SsnBoundary, SubspaceBasis
 from thinpipe.boundary.tahquant import TahQuantBoundary
@@ -18,7 +19,7 @@ from thinpipe.config import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 __all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
-           "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary", "TopKBoundary",
+           "OutlierBoundary", "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary", "TopKBoundary",
            "build_boundaries", "kept_dims"]
 
 
@@ -38,6 +39,10 @@ def _quant(cfg, b, hidden, seed, wire_dtype, model, shared):
 def _tahquant(cfg, b, hidden, seed, wire_dtype, model, shared):
     return TahQuantBoundary(b, hidden, *cfg.bits(), cfg.quant_group, cfg.tah_high_fraction, cfg.tah_outlier_ratio,
                             wire_dtype)
+
+
+def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return OutlierBoundary(b, hidden, cfg.outlier_channels, *cfg.bits(), cfg.quant_group, wire_dtype)
 
 
 def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):
@@ -65,7 +70,7 @@ def _mapl(cfg, b, hidden, seed, wire_dtype, model, shared):
 
 
 BUILTIN = {"mask": _mask, "topk": _topk, "quant4": _quant, "quant2": _quant, "aqsgd": _quant, "tahquant": _tahquant,
-           "bottleneck": _bottleneck, "ssn": _ssn, "mapl": _mapl, "mapl-vq": _mapl}
+           "outlier": _outlier, "bottleneck": _bottleneck, "ssn": _ssn, "mapl": _mapl, "mapl-vq": _mapl}
 
 
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None,

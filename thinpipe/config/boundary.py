@@ -8,12 +8,12 @@ from thinpipe.config.errors import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq", "quant4", "quant2", "aqsgd", "tahquant",
-                  "bottleneck")
+                  "bottleneck", "outlier")
 # Part of the model: training and evaluation run through them.
 ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq", "bottleneck")
 # (forward, backward) bits of the quantising kinds when boundary.fwd_bits / bwd_bits are 0:
 # Table 4's 4-bit Quant (4x against a 16-bit wire) and AQ-SGD / TAH-Quant at "8/2x".
-QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8)}
+QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8), "outlier": (2, 2)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,7 +26,8 @@ class BoundaryConfig:
     activation-compression baselines of anchor-priors Table 4: ``quant4`` / ``quant2`` (uniform
     4 / 2-bit), ``aqsgd`` (AQ-SGD: quantised change against a per-example buffer), ``tahquant``
     (tile-wise adaptive Hadamard quantisation) and ``bottleneck`` (a learned linear down/up pair
-    of K = (1-p) H dims). docs/baselines.md has each one's details."""
+    of K = (1-p) H dims); ``outlier`` (not in the papers: calibrated outlier channels sent intact,
+    the rest Hadamard-rotated and quantised; issue 17). docs/baselines.md has each one's details."""
     p: float = 0.95
     """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
@@ -78,6 +79,9 @@ class BoundaryConfig:
     """``tahquant``: fraction of tiles (highest code entropy) quantised with one extra bit."""
     tah_outlier_ratio: float = 4.0
     """``tahquant``: a tile whose absmax exceeds this many times its RMS is Hadamard-rotated."""
+    outlier_channels: int = 16
+    """``outlier``: channels sent intact in the wire dtype (the C with the largest mean |activation|,
+    calibrated once on the residual start's batches, ``boundary.pca_batches``)."""
     ssn_refresh_every: int = 500
     """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
     ssn_refresh_lr: float = 0.01
@@ -135,5 +139,10 @@ class BoundaryConfig:
         if not 0 <= self.tah_high_fraction <= 1 or self.tah_outlier_ratio <= 0:
             raise ConfigError("boundary.tah_high_fraction must be in [0, 1] and boundary.tah_outlier_ratio > 0, got "
                               f"{self.tah_high_fraction} and {self.tah_outlier_ratio}")
+        if self.outlier_channels < 0:
+            raise ConfigError(f"boundary.outlier_channels must be >= 0, got {self.outlier_channels}")
+        if self.kind == "outlier" and self.quant_group & (self.quant_group - 1):
+            raise ConfigError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "
+                              f"{self.quant_group}")
         if self.ssn_refresh_every < 0 or self.ssn_refresh_lr < 0:
             raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")

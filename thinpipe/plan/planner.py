@@ -113,7 +113,12 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         else:
             fwd_bits = fwd + side
         return (fwd_bits + bwd + side) / (2 * 8 * elem_bytes)
-    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck and the quantisers, "
+    if b.kind == "outlier":
+        # C intact channels in the wire dtype; every value at fwd / bwd bits after rotation; the tiles' scales
+        fwd, bwd = b.bits()
+        side = 32 / (b.quant_group or arch.hidden)
+        return (b.outlier_channels * 8 * elem_bytes / arch.hidden + fwd + bwd + 2 * side) / (2 * 8 * elem_bytes)
+    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier and the quantisers, "
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
 
