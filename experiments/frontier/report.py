@@ -1,0 +1,122 @@
+"""The frontier table (issue 17): every arm of the anchor-priors recipe, held-out loss against PP bytes.
+
+Arms: this suite's runs (experiments/frontier/results, today's code) and the committed runs of the
+same recipe in experiments/anchor_priors/results (older code; this suite's Dense rerun is the
+control that they are comparable: the difference is printed). Writes results/frontier.json (a list
+of arms with arm, kind, pp_bytes_per_token, best_val_loss, final_val_loss, seed, ...),
+results/frontier.md and results/frontier.png.
+
+    .venv/bin/python experiments/frontier/report.py
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCES = [(HERE / "results", "frontier"), (HERE.parent / "anchor_priors" / "results", "anchor_priors (committed)")]
+OLD_ARMS = {"Dense", "M90", "M95", "TopK95", "M90pAP", "M95pAP"}   # the committed arms of this recipe
+DENSE_PP = 13824.0  # fp32, 4 stages, H = 576: 3 boundaries x 576 x 4 B, each way
+GOAL_X, MILESTONE_X, WITHIN = 20.0, 10.0, 0.01
+
+
+def arm_row(folder: Path, source: str) -> dict | None:
+    if not (folder / "summary.json").is_file():
+        return None
+    s = json.loads((folder / "summary.json").read_text())
+    cfg = tomllib.loads((folder / "config.toml").read_text())
+    b = cfg["boundary"]
+    vals = s["val_points"]
+    best_step, best = min(vals, key=lambda v: v[1])
+    pp = s["bytes_per_token"]["pp_fwd"] + s["bytes_per_token"]["pp_bwd"]
+    return {"arm": folder.name.replace("_", " ").replace("pAP", "+AP"), "source": source, "kind": b["kind"],
+            "p": b.get("p") if b["kind"] in ("mask", "topk", "bottleneck") else None,
+            "fwd_bits": b.get("fwd_bits"), "bwd_bits": b.get("bwd_bits"),
+            "outlier_channels": b.get("outlier_channels") if b["kind"] == "outlier" else None,
+            "anchor": cfg["mesh"].get("anchor", 0), "seed": cfg["train"]["seed"],
+            "pp_fwd_bytes_per_token": s["bytes_per_token"]["pp_fwd"],
+            "pp_bwd_bytes_per_token": s["bytes_per_token"]["pp_bwd"], "pp_bytes_per_token": pp,
+            "compression_x": DENSE_PP / pp, "pp_bytes_per_token_bf16": pp / 2 if b["kind"] in
+            ("identity", "mask", "topk", "bottleneck") else None,
+            "initial_val_loss": vals[0][1], "best_val_loss": best, "best_step": best_step,
+            "final_val_loss": s["final_val_loss"], "val_points": vals, "wall_s": s["wall_s"], "steps": s["steps"]}
+
+
+def collect() -> list[dict]:
+    rows = []
+    for root, source in SOURCES:
+        if not root.is_dir():
+            continue
+        for folder in sorted(p for p in root.iterdir() if p.is_dir()):
+            if source != "frontier" and folder.name not in OLD_ARMS:
+                continue
+            row = arm_row(folder, source)
+            if row is not None:
+                rows.append(row)
+    return rows
+
+
+def main() -> None:
+    rows = collect()
+    dense = next(r for r in rows if r["kind"] == "identity" and r["seed"] == 0 and r["source"] == "frontier")
+    old_dense = next((r for r in rows if r["kind"] == "identity" and r["source"] != "frontier"), None)
+    for r in rows:
+        r["final_vs_dense"] = r["final_val_loss"] / dense["final_val_loss"] - 1
+        r["best_vs_dense"] = r["best_val_loss"] / dense["best_val_loss"] - 1
+        r["meets_milestone"] = r["compression_x"] >= MILESTONE_X and r["final_vs_dense"] <= WITHIN
+        r["meets_goal"] = r["compression_x"] >= GOAL_X and r["final_vs_dense"] <= WITHIN
+    rows.sort(key=lambda r: (-r["pp_bytes_per_token"], r["arm"]))
+    out = HERE / "results"
+    (out / "frontier.json").write_text(json.dumps(rows, indent=2))
+    lines = ["| arm | kind | source | seed | PP B/token (fwd / bwd) | x dense | best held-out (step) | final held-out "
+             "| final vs Dense | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {r['kind']} | {r['source']} | {r['seed']} | {r['pp_bytes_per_token']:,.0f} "
+                     f"({r['pp_fwd_bytes_per_token']:,.0f} / {r['pp_bwd_bytes_per_token']:,.0f}) | "
+                     f"{r['compression_x']:.1f}x | {r['best_val_loss']:.4f} ({r['best_step']}) | "
+                     f"{r['final_val_loss']:.4f} | {r['final_vs_dense']:+.1%} | {r['wall_s']:.0f} |")
+    if old_dense is not None:
+        lines.append(f"\nControl: Dense rerun today {dense['final_val_loss']:.6f} vs committed "
+                     f"{old_dense['final_val_loss']:.6f} ({dense['final_val_loss'] - old_dense['final_val_loss']:+.2e}).")
+    best = [r for r in rows if r["final_vs_dense"] <= WITHIN and r["kind"] != "identity"]
+    if best:
+        top = max(best, key=lambda r: r["compression_x"])
+        lines.append(f"Most compressed arm within {WITHIN:.0%} of Dense's final held-out loss: {top['arm']} at "
+                     f"{top['compression_x']:.1f}x ({top['pp_bytes_per_token']:,.0f} B/token).")
+    else:
+        lines.append(f"No compressed arm is within {WITHIN:.0%} of Dense's final held-out loss.")
+    (out / "frontier.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot(rows, dense, out / "frontier.png")
+
+
+def plot(rows: list[dict], dense: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for r in rows:
+        marker = "s" if r["source"] == "frontier" else "o"
+        ax.scatter(r["pp_bytes_per_token"], r["final_val_loss"], marker=marker)
+        ax.annotate(r["arm"], (r["pp_bytes_per_token"], r["final_val_loss"]), fontsize=7, xytext=(3, 3),
+                    textcoords="offset points")
+    ax.axhline(dense["final_val_loss"] * (1 + WITHIN), color="g", ls=":", lw=0.8, label="Dense + 1%")
+    ax.axhline(dense["initial_val_loss"], color="k", ls="--", lw=0.8, label="before training")
+    ax.axvline(DENSE_PP / GOAL_X, color="r", ls=":", lw=0.8, label="goal: 1/20 of Dense's bytes")
+    ax.set_xscale("log")
+    ax.set_xlabel("PP bytes per token (fp32 wire, forward + backward, 3 boundaries)")
+    ax.set_ylabel("final held-out loss (nats/token)")
+    ax.set_title("SmolLM2-135M, 4 stages, MATH, 100 steps (squares: this suite; circles: committed)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
