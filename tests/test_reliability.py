@@ -140,3 +140,41 @@ def test_resume_from_a_truncated_checkpoint_is_one_line(tmp_path, capsys):
     assert main(["train", "--out", str(out), "--quiet", "--resume", *TINY, "--set", "train.steps=2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "mesh.safetensors does not match its SHA-256" in err[-1] and "Traceback" not in "\n".join(err)
+
+
+def test_rollback_reloads_the_last_good_checkpoint_with_a_lower_lr_and_finishes(tmp_path, capsys, monkeypatch):
+    """``train.on_divergence = rollback``: a NaN loss at step 5 sends the run back to step 4's
+    checkpoint with train.lr halved; steps 0-3 are the uninterrupted run's, the rows are unique and
+    the lowered lr is what config.toml records (a --resume keeps it)."""
+    from thinpipe.config import load_config
+
+    args = [*TINY, "--set", "train.steps=8", "--set", "train.checkpoint_every=2"]
+    plain, rolled = tmp_path / "plain", tmp_path / "rolled"
+    assert main(["train", "--out", str(plain), "--quiet", *args]) == 0
+    monkeypatch.setenv("THINPIPE_TEST_NAN_AT_STEP", "5")
+    capsys.readouterr()
+    assert main(["train", "--out", str(rolled), "--quiet", *args, "--set", "train.on_divergence=rollback"]) == 0
+    err = capsys.readouterr().err
+    assert "diverged at step 5" in err and "rolled back to the checkpoint of step 4 with train.lr = 0.0005" in err
+    a, b = rows(plain), rows(rolled)
+    assert [m["step"] for m in b] == list(range(8))
+    assert [m["loss"] for m in b[:4]] == [m["loss"] for m in a[:4]]
+    assert [m["lr"] for m in b[4:]] == pytest.approx([m["lr"] / 2 for m in a[4:]], rel=1e-12)
+    assert b[4]["loss"] == a[4]["loss"]  # step 4 starts from the same weights; its update is smaller
+    assert b[5]["loss"] != a[5]["loss"]
+    assert load_config(rolled / "config.toml").train.lr == 5e-4
+    assert json.loads((rolled / "summary.json").read_text())["steps"] == 8
+
+
+def test_rollback_without_a_checkpoint_or_past_its_limit_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("THINPIPE_TEST_NAN_AT_STEP", "1")
+    out = tmp_path / "r"
+    assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.checkpoint_every=2",
+                 "--set", "train.on_divergence=rollback"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "diverged at step 1" in err and "no checkpoint was written before it" in err
+    monkeypatch.setenv("THINPIPE_TEST_NAN_AT_STEP", "3")
+    assert main(["train", "--out", str(out), "--quiet", "--overwrite", *TINY, "--set", "train.checkpoint_every=2",
+                 "--set", "train.on_divergence=rollback", "--set", "train.max_rollbacks=0"]) == 3
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "last good checkpoint is step 2" in err

@@ -70,6 +70,14 @@ class TrainConfig:
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
     keep_checkpoints: int = 2
     """Complete checkpoints kept (newest first): a damaged newest one falls back to the one before."""
+    on_divergence: str = "stop"
+    """What a non-finite loss, gradient norm or weights does: ``stop`` (one line naming the last good
+    checkpoint, exit code 3) or ``rollback``: reload the last good checkpoint, multiply ``train.lr``
+    by ``rollback_lr_factor`` and go on (at most ``max_rollbacks`` times; then stop)."""
+    rollback_lr_factor: float = 0.5
+    """``on_divergence = rollback``: the factor applied to ``train.lr`` at each rollback."""
+    max_rollbacks: int = 3
+    """``on_divergence = rollback``: rollbacks allowed in one run before it stops."""
     optimizer: str = "adamw"
     """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
     weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
@@ -102,6 +110,11 @@ class TrainConfig:
             raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.checkpoint_every < 0:
             raise ConfigError(f"train.checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if self.on_divergence not in ("stop", "rollback"):
+            raise ConfigError(f"train.on_divergence must be stop or rollback, got {self.on_divergence!r}")
+        if not 0 < self.rollback_lr_factor < 1 or self.max_rollbacks < 0:
+            raise ConfigError(f"train.rollback_lr_factor must be in (0, 1) and train.max_rollbacks >= 0, got "
+                              f"{self.rollback_lr_factor} and {self.max_rollbacks}")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"train.optimizer must be adamw or muon, got {self.optimizer!r}")
 

@@ -56,6 +56,9 @@ from thinpipe.placement import local_rank, move, to_device
 
 
 def check_supported(cfg: Config) -> None:
+    if cfg.mesh.anchor and cfg.train.on_divergence == "rollback":
+        raise ConfigError("--engine dist cannot roll back a run with an anchor circuit yet (its ranks would keep the "
+                          "diverged weights' priors): set train.on_divergence = stop, or roll back in the simulation")
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
 
@@ -280,6 +283,7 @@ class DistEngine:
     def load(self, folder: Path) -> tuple[int, dict]:
         step, state = agreed_set(folder, self.rank, self.world_size)
         self.step_index, self._complete = state["step"], step
+        self._stream = None  # the data stream restarts at the loaded step (a resume, or a rollback)
         if self.feed is not None:
             self.feed.load_state_dict(state["anchor"])
         for b in (self.in_b, self.out_b):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -113,38 +114,58 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     if not val_points:
         val_points.append((0, engine.validation_loss()))
     tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
-    bar = tqdm(range(start, t.steps), desc="train", disable=not (progress and engine.lead), initial=start,
-               total=t.steps, file=sys.stderr, dynamic_ncols=True)
-    with open(out / "metrics.jsonl", "a") if engine.lead else _Discard() as f:
-        for step in bar:
+    bar = tqdm(total=t.steps, desc="train", disable=not (progress and engine.lead), initial=start, file=sys.stderr,
+               dynamic_ncols=True)
+    rollbacks, step = 0, start
+    nan_at = int(os.environ.get("THINPIPE_TEST_NAN_AT_STEP", "-1"))  # divergence tests only: one NaN loss
+    f = open(out / "metrics.jsonl", "a") if engine.lead else _Discard()
+    try:
+        while step < t.steps:
             loss = engine.train_step(step)
-            if not (math.isfinite(loss) and math.isfinite(engine.grad_norm())):
-                raise _diverged(step, f"loss {loss}, gradient norm {engine.grad_norm()}", last_good, ckpt, t.lr)
-            b = engine.bytes_total()
-            row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": (step + 1) * tokens_per_step,
-                   "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
-                   "wall_s": time.perf_counter() - wall0}
-            diag = engine.diagnostics()
-            if diag is not None:
-                row["diag"] = diag
-            if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
-                row["val_loss"] = engine.validation_loss()
-                val_points.append((step + 1, row["val_loss"]))
-                energy = engine.captured_energy()
-                if energy:
-                    row["captured_energy"] = energy
-            metrics.append(row)
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{row['lr']:.2e}")
-            if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                if not engine.weights_finite():  # a checkpoint never holds a diverged state
-                    raise _diverged(step, "non-finite weights after its update", last_good, ckpt, t.lr)
-                engine.save(ckpt, {"val_points": val_points})
-                last_good = step + 1
+            if step == nan_at:
+                loss, nan_at = float("nan"), -1
+            diverged = (None if math.isfinite(loss) and math.isfinite(engine.grad_norm()) else
+                        f"loss {loss}, gradient norm {engine.grad_norm()}")
+            if diverged is None:
+                b = engine.bytes_total()
+                row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": (step + 1) * tokens_per_step,
+                       "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
+                       "wall_s": time.perf_counter() - wall0}
+                diag = engine.diagnostics()
+                if diag is not None:
+                    row["diag"] = diag
+                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
+                    row["val_loss"] = engine.validation_loss()
+                    val_points.append((step + 1, row["val_loss"]))
+                    energy = engine.captured_energy()
+                    if energy:
+                        row["captured_energy"] = energy
+                metrics.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{row['lr']:.2e}")
+                if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
+                    if engine.weights_finite():  # a checkpoint never holds a diverged state
+                        engine.save(ckpt, {"val_points": val_points})
+                        last_good = step + 1
+                    else:
+                        diverged = "non-finite weights after its update"
+            if diverged is None:
+                step += 1
+                continue
+            if t.on_divergence != "rollback" or last_good is None or rollbacks >= t.max_rollbacks:
+                raise _diverged(step, diverged, last_good, ckpt, t.lr, rollbacks)
+            rollbacks += 1
+            step, metrics, val_points = _rollback(engine, cfg, out, ckpt, step, diverged, rollbacks, metrics, f)
+            bar.n = step
+            bar.refresh()
+    finally:
+        f.close()
+        bar.close()
     wall = time.perf_counter() - wall0
     if not engine.weights_finite():
-        raise _diverged(t.steps - 1, "non-finite weights after its update", last_good, ckpt, t.lr)
+        raise _diverged(t.steps - 1, "non-finite weights after its update", last_good, ckpt, t.lr, rollbacks)
     engine.save(ckpt, {"val_points": val_points})  # before the anchor circuit stops: its ranks write their parts
     engine.finish()
     final_val = engine.validation_loss()
@@ -170,12 +191,33 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     return summary
 
 
-def _diverged(step: int, what: str, last_good: int | None, ckpt: Path, lr: float) -> Diverged:
+def _diverged(step: int, what: str, last_good: int | None, ckpt: Path, lr: float, rollbacks: int = 0) -> Diverged:
     """The one line a diverged run ends with; nothing is checkpointed after it, so the newest
     checkpoint stays the last good one."""
     back = (f"the last good checkpoint is step {last_good} in {ckpt} (--resume continues from it)"
             if last_good is not None else "no checkpoint was written before it")
-    return Diverged(f"training diverged at step {step} ({what}); {back}: lower train.lr (now {lr}) or compress less")
+    tried = f" after {rollbacks} rollback{'s' if rollbacks != 1 else ''}" if rollbacks else ""
+    return Diverged(f"training diverged at step {step} ({what}){tried}; {back}: lower train.lr (now {lr}), set "
+                    "train.on_divergence = rollback, or compress less")
+
+
+def _rollback(engine: Engine, cfg: Config, out: Path, ckpt: Path, step: int, what: str, n: int, metrics: list,
+              f) -> tuple[int, list, list]:
+    """``train.on_divergence = rollback``: the last good checkpoint again, with ``train.lr`` lowered
+    (recorded in config.toml, so a later --resume keeps it); the rows after it are dropped."""
+    t = cfg.train
+    t.lr *= t.rollback_lr_factor
+    back, extra = engine.load(ckpt)
+    say(f"[thinpipe] diverged at step {step} ({what}): rolled back to the checkpoint of step {back} with train.lr = "
+        f"{t.lr:g} (rollback {n} of at most {t.max_rollbacks})")
+    metrics = [m for m in metrics if m["step"] < back]
+    if engine.lead:
+        (out / "config.toml").write_text(cfg.to_toml())
+        f.seek(0)
+        f.truncate()
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+        f.flush()
+    return back, metrics, [tuple(v) for v in extra["val_points"]]
 
 
 def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
@@ -198,4 +240,7 @@ class _Discard:
         pass
 
     def flush(self):
+        pass
+
+    def close(self):
         pass

@@ -98,6 +98,7 @@ class SimEngine:
             raise ConfigError(f"--resume: no checkpoint in {folder}; start without --resume")
         _, state = found
         self.mesh.load_state_dict(state.pop("mesh"))
+        self._streams = None  # the data streams restart at the loaded step (a resume, or a rollback)
         return self.mesh.step_index, state
 
     def finish(self) -> None:
