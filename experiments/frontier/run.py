@@ -32,6 +32,10 @@ ARMS = {
     "Outlier 2b-2b": outlier(2, 2),
     "Outlier 2b-1b": outlier(2, 1),
     "Outlier 1b-1b": outlier(1, 1),
+    # 2b-1b vs 2b-2b: the backward's bits barely matter, the forward's do; the same bytes as 2b-2b
+    # spent on the forward instead:
+    "Outlier 3b-1b": outlier(3, 1),
+    "Outlier 4b-1b": outlier(4, 1),
     "4-bit Quant": {"boundary.kind": "quant4"},
     "Outlier 2b-2b seed 1": {**outlier(2, 2), "train.seed": 1},
     "Dense seed 1": {"train.seed": 1},
