@@ -179,7 +179,7 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
     def stable(r: dict) -> bool:
         return r.get("k_stale", 0.0) <= MAX_STALENESS
 
-    options = load_probe(probe, cfg, max_damage) if probe is not None else None
+    options = load_probe(probe, cfg, float("inf")) if probe is not None else None  # every arm: the bound is applied below
     out = {"goal": goal, "limits": {"p_max": MAX_P, "powersgd_max_x": MAX_POWERSGD_X, "h_max": MAX_H,
                                     "k_stale_max": MAX_STALENESS if cfg.mesh.anchor else None},
            "quality": (f"checked: forward damage <= {max_damage:.1%} of the dense held-out loss (thinpipe probe "
@@ -187,7 +187,9 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
                        "not checked: this advice knows bytes and time, not what the setting does to the model; "
                        "run `thinpipe probe --out DIR` and pass --probe DIR/probe.json")}
     if options is not None:
-        return _advise_with_quality(cfg, device, options, meets, stable, out, probe, max_damage)
+        if max_damage < 0:
+            raise ConfigError(f"--max-damage must be >= 0 (a fraction of the dense held-out loss), got {max_damage}")
+        return _advise_with_quality(cfg, device, options, meets, stable, out, max_damage)
     cands = candidates(cfg, device)
     fast_enough = [c for c in cands if meets(c.result)]
     ok = [c for c in fast_enough if stable(c.result)]
@@ -213,13 +215,12 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
     return out
 
 
-def _advise_with_quality(cfg, device, options, meets, stable, out: dict, probe, max_damage: float) -> dict:
-    """The probe's side of ``advise``: ``options`` are the arms within the damage bound."""
-    everything = load_probe(probe, cfg, float("inf"))
-    cands = candidates(cfg, device, everything)
+def _advise_with_quality(cfg, device, options, meets, stable, out: dict, max_damage: float) -> dict:
+    """The probe's side of ``advise``: ``options`` are every probed arm; the bound picks among them."""
+    cands = candidates(cfg, device, options)
     out["searched"] = len(cands)
     fast = [c for c in cands if meets(c.result) and stable(c.result)]
-    good = {o.arm for o in options}
+    good = {o.arm for o in options if o.damage <= max_damage}
     both = [c for c in fast if c.boundary.arm in good]
     if both:
         best = min(both, key=lambda c: (c.boundary.damage, c.dp_compression_x))

@@ -1,0 +1,52 @@
+"""What ``thinpipe plan`` prints: the plan of one setting, and the advice of ``--target-tps`` /
+``--max-mbps`` (``advice.py``), as a table or JSON."""
+
+from __future__ import annotations
+
+import json
+
+
+def print_plan(result: dict, name: str) -> None:
+    rows = [("source", result["source"]), ("device", f"{name} ({result['device_source']}): "
+                                                       f"{result['device_flops'] / 1e12:.3g} TFLOP/s"),
+            ("compute per step", f"{result['t_compute_s']:.3f} s"), ("PP per step", f"{result['t_pp_s']:.3f} s"),
+            ("DP per step", f"{result['t_dp_s']:.3f} s"),
+            ("step time (serialised / overlapped)", f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
+            ("tokens/s (serialised / overlapped)",
+             f"{result['tokens_per_s']:.0f} / {result['tokens_per_s_overlapped']:.0f}"),
+            ("schedule simulation: pipeline / bubble", f"{result['des_pipeline_s']:.3f} s / "
+                                                       f"{result['des_bubble_fraction']:.1%}"),
+            ("schedule simulation: tokens/s (serialised / overlapped)",
+             f"{result['des_tokens_per_s']:.0f} / {result['des_tokens_per_s_overlapped']:.0f}"),
+            ("schedule simulation, links shared by replicas: tokens/s", f"{result['des_shared_tokens_per_s']:.0f}")]
+    rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in result["bytes_per_token"].items()]
+    if "k_stale" in result:
+        rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
+                                                      f"{result['t_push_s']:.2f} s"),
+                 ("anchor staleness K_stale (overlapped)", f"{result['k_stale']:.1f} ({result['k_stale_overlapped']:.1f}) steps")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+
+
+def print_advice(advice: dict, device: str, as_json: bool) -> int:
+    advice["device"] = device
+    if as_json:
+        print(json.dumps(advice, indent=2))
+        return 0 if advice["feasible"] else 1
+    print(f"goal: {advice['goal']} on {device}; {advice['searched']} settings searched within p <= "
+          f"{advice['limits']['p_max']}, PowerSGD <= {advice['limits']['powersgd_max_x']:g}x, H <= "
+          f"{advice['limits']['h_max']}" + (f", K_stale <= {advice['limits']['k_stale_max']:g}"
+                                            if advice["limits"]["k_stale_max"] else ""))
+    print(f"quality: {advice['quality']}")
+    if not advice["feasible"]:
+        print(f"no setting meets it: {advice['why']}")
+        return 1
+    r = advice["plan"]
+    print("least compression that meets it:  " + " ".join(f"--set {k}={v}" for k, v in advice["settings"].items()))
+    print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
+          f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP {r['t_dp_s']:.3f}, "
+          f"{r['bytes_per_token_total']:.0f} B/token, DP compression {r['dp_compression_x']:.0f}x"
+          + (f", K_stale {r['k_stale']:.1f}" if "k_stale" in r else "")
+          + (f", forward damage {advice['damage']:+.2%}" if "damage" in advice else ""))
+    return 0
