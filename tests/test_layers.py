@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "thinpipe"
 LAYERS = [
     ["thinpipe.log", "thinpipe.plugins"],                                                # foundation
     ["thinpipe.config"],
-    ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint"],   # the rank grid, where a rank computes, checkpoint files
+    ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes, checkpoint files,
+     "thinpipe.dashboards"],                                          # dashboards
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],                                # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
     ["thinpipe.boundary"],                                                               # the boundary contract
@@ -25,7 +26,8 @@ LAYERS = [
     ["thinpipe.engine.sim", "thinpipe.engine.sim_engine",  # runners
      "thinpipe.engine.dist", "thinpipe.engine.run", "thinpipe.engine"],
     ["thinpipe.runs"],                                                                   # run folders
-    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.demo"],  # commands
+    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.compare"],  # commands
+    ["thinpipe.demo"],                                                                   # runs train + compare
     ["thinpipe.bench"],                                                                  # runs plan + launch
     ["thinpipe.cli"],
     ["thinpipe.__main__", "thinpipe"],

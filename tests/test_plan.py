@@ -330,14 +330,16 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
     assert seven["des_shared_pipeline_s"] > 3 * seven["des_pipeline_s"]
 
 
-@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier"])
+@pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier",
+                                  "outlier:boundary.outlier_scale_group=576:boundary.outlier_dtype=bfloat16"])
 def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
     and boundary, on SmolLM2 (H 576) at fp32."""
     from thinpipe.boundary import build_boundaries
 
+    kind, *extra = kind.split(":")
     sets = {"model.name": "smollm2-135m", "mesh.pp": "2", "boundary.kind": kind, "train.dtype": "float32",
-            "link.pp_mbps": "100"}
+            "link.pp_mbps": "100", **dict(e.split("=") for e in extra)}
     cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
     b = build_boundaries(cfg.boundary, 2, 576, 0, None)[0]
     fwd, bwd = b.expected_bytes(1024, 4)

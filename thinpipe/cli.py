@@ -1,4 +1,4 @@
-"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | export | prune | analyze | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | compare | export | prune | analyze | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -19,17 +19,24 @@ from thinpipe.plugins import load_plugins
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint")  # what `train` writes
+RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint", "init", "tensorboard",
+             "wandb")  # what `train` writes
 
 
 def _validate_names(cfg) -> None:
     """Cheap checks of names that would otherwise fail only after loading a model."""
     from thinpipe.data import CORPORA
+    from thinpipe.data.rows import data_files
     from thinpipe.models.loading import model_num_layers, resolve_model_name
 
     resolve_model_name(cfg.model.name)
-    if cfg.data.name not in CORPORA:
-        raise ConfigError(f"data.name = {cfg.data.name!r} is unknown: choose one of {', '.join(sorted(CORPORA))}")
+    for name in (cfg.data.name, cfg.data.val_name):
+        if name and name not in CORPORA:  # a user's files: absolute, so a --resume from elsewhere finds them
+            data_files(name)
+            if name == cfg.data.name:
+                cfg.data.name = str(Path(name).resolve())
+            else:
+                cfg.data.val_name = str(Path(name).resolve())
     layers = model_num_layers(cfg.model.name)
     if layers is not None and cfg.mesh.pp > layers:
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {layers} decoder layers: "
@@ -39,6 +46,9 @@ def _validate_names(cfg) -> None:
                           f"{cfg.model.name} has {layers}")
     if cfg.eval.tasks:
         _validate_tasks(cfg.eval.tasks)
+    from thinpipe.dashboards import check_installed
+
+    check_installed(cfg)
 
 
 def _validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
@@ -75,8 +85,15 @@ def _check_run(run: Path) -> None:
 
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
-    _validate_names(cfg)
     _claim_out(Path(args.out), args.resume, args.overwrite)
+    if args.init_from:
+        from thinpipe.runs import init_weights
+
+        if args.resume:
+            raise ConfigError("--init-from starts a new run from other weights, --resume continues this one: give one")
+        cfg.model.init_from = str(Path(args.init_from).resolve())
+        cfg.model.name = str(init_weights(args.init_from, Path(args.out) / "init"))
+    _validate_names(cfg)
     if args.engine == "dist":
         from thinpipe.engine.dist import check_supported, train_dist
         from thinpipe.engine.run import resolve_resume
@@ -220,6 +237,20 @@ def _eval_model(spec: str, device: str = "cpu"):
     return logits_fn_from_model(loaded.model), loaded.tokenizer, loaded.model
 
 
+def cmd_compare(args) -> int:
+    """Runs side by side: held-out loss for bytes (``thinpipe/compare.py``)."""
+    from thinpipe.compare import compare, format_table, write
+
+    result = compare(args.runs)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+    if args.out:
+        print(f"wrote {write(result, args.out)}/compare.json and compare.png")
+    return 0
+
+
 def cmd_export(args) -> int:
     from thinpipe.runs import export
 
@@ -316,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--overwrite", action="store_true", help="replace the run in --out (without it, a folder that "
                                                             "holds a run is refused)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.add_argument("--init-from", metavar="RUN_OR_HF_FOLDER", help="start from these weights (a run folder or a Hugging "
+                   "Face folder), with a fresh optimizer and schedule: a second phase, e.g. SFT after pretraining")
     t.add_argument("--engine", choices=["sim", "dist"], default="sim",
                    help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun)")
     t.set_defaults(func=cmd_train)
@@ -395,6 +428,11 @@ def build_parser() -> argparse.ArgumentParser:
     _device_arg(q)
     q.set_defaults(func=cmd_probe)
 
+    cp = sub.add_parser("compare", help="runs side by side: held-out loss, bytes per token, compression, tokens/s")
+    cp.add_argument("runs", nargs="+", metavar="RUN", help="run folders (--out of `thinpipe train`)")
+    cp.add_argument("--out", help="write compare.json and compare.png (held-out loss against step and PP bytes) here")
+    cp.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    cp.set_defaults(func=cmd_compare)
     d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--quick", action="store_true", help="tiny model, seconds (for tests)")

@@ -9,8 +9,10 @@ held-out loss is within 1% of Dense's (measured, not assumed).
 Short-run settings (not the paper's): lr 1e-4 so that 30 steps visibly adapt the model, and anchor
 staleness delta = 10 so that a 30-step run consumes 2 priors (the paper's delta is 20-25).
 
-Prints loss before/after and bytes per token per axis, side by side, and writes
-``<out>/demo_summary.json`` and ``<out>/demo_loss.png``.
+Prints the arms side by side (``thinpipe compare`` of their run folders: held-out loss best and
+final, bytes per token per axis, compression against Dense, tokens/s) and writes
+``<out>/demo_summary.json``, ``<out>/compare.json`` and ``<out>/demo_loss.png`` (held-out loss
+against step and against PP bytes sent).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import time
 from pathlib import Path
 
+from thinpipe.compare import compare, format_table, plot
 from thinpipe.config import Config, apply_overrides
 from thinpipe.engine.run import train
 
@@ -53,51 +56,23 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
     for name, arm in ARMS.items():
         print(f"== {name}: {', '.join(f'{k}={v}' for k, v in arm.items())}")
         results[name] = train(arm_config(base, arm), out / name)
-    print_table(results)
+    side_by_side = compare([out / name for name in ARMS])  # the summary is `thinpipe compare` of the arms
+    print(format_table(side_by_side))
+    print(keeps_quality(results))
+    print("anchor B/tok = the anchor circuit's weight pull + unmasked PP pass + gradient push, off the critical path;\n"
+          "tok/s is this CPU's simulation speed, not a mesh's.")
     (out / "demo_summary.json").write_text(json.dumps({"base": base, "arms": ARMS, "results": results}, indent=2))
-    plot(results, out / "demo_loss.png")
-    print(f"total {time.perf_counter() - t0:.0f} s; results in {out}/")
+    (out / "compare.json").write_text(json.dumps(side_by_side, indent=2))
+    plot(side_by_side, out / "demo_loss.png")
+    again = " ".join(str(out / name) for name in ARMS)
+    print(f"total {time.perf_counter() - t0:.0f} s; results in {out}/ (`thinpipe compare {again}` shows this table again)")
     return 0
 
 
-def pp_bytes_per_token(s: dict) -> float:
-    return s["bytes_per_token"]["pp_fwd"] + s["bytes_per_token"]["pp_bwd"]
-
-
-def print_table(results: dict) -> None:
-    dense = results.get("Dense")
-    head = (f"{'arm':<24}{'val loss start':>15}{'val loss end':>13}{'PP B/token':>12}{'vs dense':>10}"
-            f"{'anchor B/tok':>13}{'tok/s':>8}")
-    print(head)
-    print("-" * len(head))
-    for name, s in results.items():
-        ratio = pp_bytes_per_token(dense) / pp_bytes_per_token(s) if dense else float("nan")
-        print(f"{name:<24}{s['initial_val_loss']:>15.4f}{s['final_val_loss']:>13.4f}{pp_bytes_per_token(s):>12.1f}"
-              f"{ratio:>9.1f}x{s['bytes_per_token']['anchor']:>13.1f}{s['tokens_per_s']:>8.0f}")
-    if dense:
-        kept = [n for n, s in results.items() if n != "Dense"
-                and s["final_val_loss"] <= dense["final_val_loss"] * (1 + KEEPS_QUALITY)]
-        print(f"within {KEEPS_QUALITY:.0%} of Dense's held-out loss: {', '.join(kept) if kept else 'none'}; "
-              f"the others lose quality for their bytes")
-    print("PP B/token = fast-circuit forward + backward boundary payload bytes per trained token (all boundaries);\n"
-          "anchor B/tok = the anchor circuit's weight pull + unmasked PP pass + gradient push, off the critical path;\n"
-          "held-out loss is measured without masking; tok/s is this CPU's simulation speed, not a mesh's.")
-
-
-def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name, s in results.items():
-        steps, losses = zip(*s["val_points"])
-        ax.plot(steps, losses, "o-", label=f"{name} ({pp_bytes_per_token(s):.0f} PP B/token)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("held-out loss (unmasked)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+def keeps_quality(results: dict) -> str:
+    """The line naming the arms whose final held-out loss is within KEEPS_QUALITY of Dense's."""
+    dense = results["Dense"]
+    kept = [n for n, s in results.items() if n != "Dense"
+            and s["final_val_loss"] <= dense["final_val_loss"] * (1 + KEEPS_QUALITY)]
+    return (f"within {KEEPS_QUALITY:.0%} of Dense's held-out loss: {', '.join(kept) if kept else 'none'}; "
+            "the others lose quality for their bytes")

@@ -52,6 +52,36 @@ def load_run(run_dir: str | Path, device: str = "cpu"):
     return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device), loaded.tokenizer
 
 
+def init_weights(src: str | Path, dest: str | Path) -> Path:
+    """The Hugging Face folder a ``train --init-from SRC`` run loads its weights from: ``SRC`` itself
+    when it is one (``config.json``), else a run folder's merged weights (LoRA merged, replica 0)
+    exported once into ``dest``. Written to a temporary folder and renamed, so processes of one
+    machine (dist ranks) that race here all end with the same complete folder."""
+    src, dest = Path(src).resolve(), Path(dest).resolve()
+    if (src / "config.json").is_file():
+        return src
+    if not (src / "config.toml").is_file():
+        raise ConfigError(f"--init-from {src}: neither a Hugging Face model folder (config.json) nor a thinpipe run "
+                          "folder (config.toml + checkpoint/)")
+    if (dest / "config.json").is_file():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".init-"))
+    try:
+        _, model, tokenizer = load_run(src)
+        model.save_pretrained(tmp)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process of this machine was first
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
 def export(run_dir: str | Path, out: str | Path) -> Path:
     """Write replica 0's weights as a Hugging Face folder that ``from_pretrained`` loads."""
     _, model, tokenizer = load_run(run_dir)

@@ -22,9 +22,12 @@ from anchor_priors.run import BASE  # noqa: E402  (the same recipe, by construct
 from arms import arm_dir, run_suite, select  # noqa: E402
 
 
-def outlier(fwd: int, bwd: int, channels: int = 16) -> dict:
-    return {"boundary.kind": "outlier", "boundary.fwd_bits": fwd, "boundary.bwd_bits": bwd,
-            "boundary.outlier_channels": channels}
+def outlier(fwd: int, bwd: int, channels: int = 16, per_token: bool = False) -> dict:
+    arm = {"boundary.kind": "outlier", "boundary.fwd_bits": fwd, "boundary.bwd_bits": bwd,
+           "boundary.outlier_channels": channels}
+    if per_token:  # one forward scale pair per token (36 -> 4 B) and bf16 intact channels (64 -> 32 B)
+        arm.update({"boundary.outlier_scale_group": 576, "boundary.outlier_dtype": "bfloat16"})
+    return arm
 
 
 ARMS = {
@@ -37,6 +40,9 @@ ARMS = {
     "Outlier 3b-1b": outlier(3, 1),
     "Outlier 4b-1b": outlier(4, 1),
     "4-bit Quant": {"boundary.kind": "quant4"},
+    # 3b-1b ended +1.08% at 10.9x: the forward's bytes on bits instead of scales and fp32 channels
+    "Outlier 4b-1b tok": outlier(4, 1, per_token=True),
+    "Outlier 3b-1b tok": outlier(3, 1, per_token=True),
     "Outlier 2b-2b seed 1": {**outlier(2, 2), "train.seed": 1},
     "Dense seed 1": {"train.seed": 1},
 }

@@ -42,7 +42,9 @@ def _tahquant(cfg, b, hidden, seed, wire_dtype, model, shared):
 
 
 def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
-    return OutlierBoundary(b, hidden, cfg.outlier_channels, *cfg.bits(), cfg.quant_group, wire_dtype)
+    intact = None if cfg.outlier_dtype == "wire" else torch.bfloat16
+    return OutlierBoundary(b, hidden, cfg.outlier_channels, *cfg.bits(), cfg.quant_group, wire_dtype,
+                           cfg.outlier_scale_group, intact)
 
 
 def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):

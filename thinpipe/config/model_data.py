@@ -17,6 +17,11 @@ class ModelConfig:
     """Tied input/output embeddings split over stages: ``sync`` sums the two copies' gradients every
     step (exact; costs V x H values each way on the ``tied`` axis), ``untie`` lets them drift apart."""
 
+    init_from: str = ""
+    """Where this run's starting weights came from (``train --init-from``: a run folder or a Hugging
+    Face folder; weights only, fresh optimizer and schedule). Recorded for the record: ``name``
+    then points at the weights' folder (a run folder's are exported into ``OUT/init``)."""
+
     def validate(self) -> None:
         if not self.name:
             raise ConfigError("model.name is empty: give a preset (smollm2-135m, tiny-llama, tiny-qwen2) or a path")
@@ -27,13 +32,34 @@ class ModelConfig:
 @dataclass(kw_only=True, slots=True)
 class DataConfig:
     name: str = "math"
-    """Training corpus from the registry: ``math``, ``medical`` or ``synthetic``."""
+    """Training data: a built-in corpus (``math``, ``medical``, ``synthetic``) or a path to a user's
+    files: a ``.jsonl`` or ``.parquet`` file or a folder of them, with rows ``{"messages": [...]}``
+    (chat, loss on assistant turns), ``{"prompt", "response"}`` or ``{"text"}`` (continual
+    pretraining, loss on every token); docs/data.md."""
     max_examples: int = 0
-    """Read at most this many training examples (0 = all); for quick runs."""
+    """Read at most this many training examples (0 = all); for quick runs. A user's files: the first rows."""
     val_rows: int = 16
     """Packed held-out rows used for validation loss (0 = the whole held-out split)."""
+    val_name: str = ""
+    """A user's files: held-out rows from this file or folder (same formats); empty = ``val_fraction``."""
+    val_fraction: float = 0.05
+    """A user's files without ``val_name``: each row is held out with this probability (seeded by
+    ``train.seed``, the same rows every run). Ignored for built-in corpora (their splits are fixed)."""
+    chat_format: str = "auto"
+    """How chat rows become tokens: ``template`` (the tokenizer's own chat template), ``chatml``
+    (ChatML markers, no injected system prompt), ``none`` (no markers), ``auto`` (the template,
+    except for ChatML models and tokenizers without one: chatml); docs/data.md."""
+    skip_bad_rows: bool = False
+    """A malformed row of a user's file is an error naming the file and line; true leaves such rows
+    out instead, counted and listed (the run prints how many)."""
 
     def validate(self) -> None:
+        if not self.name:
+            raise ConfigError("data.name is empty: give a corpus (math, medical, synthetic) or a .jsonl/.parquet path")
+        if self.chat_format not in ("auto", "template", "chatml", "none"):
+            raise ConfigError(f"data.chat_format must be auto, template, chatml or none, got {self.chat_format!r}")
+        if not 0 <= self.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_examples < 0:
             raise ConfigError(f"data.max_examples must be >= 0 (0 = all), got {self.max_examples}")
         if self.val_rows < 0:

@@ -22,6 +22,7 @@ from thinpipe.config.anchor import AnchorConfig, OptimConfig
 from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BoundaryConfig
 from thinpipe.config.dp import DPConfig
 from thinpipe.config.errors import ConfigError
+from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
@@ -49,6 +50,7 @@ class Config:
     link: LinkConfig = field(default_factory=LinkConfig)
     diag: DiagConfig = field(default_factory=DiagConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def validate(self) -> "Config":
         _finite_numbers(self.to_dict())

@@ -26,6 +26,7 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|endoftext|>": 258,
     "<|pad|>": 259,
 }
+MARKER = "thinpipe_byte_tokenizer.json"  # in a model folder: its tokenizer is this one
 _ID_TO_SPECIAL = {i: s for s, i in SPECIAL_TOKENS.items()}
 _SPECIAL_RE = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 
@@ -82,6 +83,14 @@ class ByteTokenizer:
         if run:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def save_pretrained(self, folder) -> None:
+        """Mark a model folder as using this tokenizer (``load_tokenizer`` reads the marker), so that an
+        exported run of a random preset loads again, e.g. as ``train --init-from``'s weights."""
+        import json
+        from pathlib import Path
+
+        (Path(folder) / MARKER).write_text(json.dumps({"tokenizer": "thinpipe.ByteTokenizer", "vocab_size": 512}) + "\n")
 
     def convert_tokens_to_ids(self, token: str) -> int:
         """Id of a special token (HF-compatible name); ValueError for anything else."""

@@ -20,9 +20,10 @@ from collections.abc import Iterator
 
 import torch
 
-from .chat import tokenize_chat
-from .corpora import load_examples
+from .chat import resolve_chat_format, tokenize_messages
+from .corpora import CORPORA, load_examples
 from .packing import PackedDataset, pack
+from .user_data import build_file_dataset
 
 
 def derive_seed(*parts) -> int:
@@ -36,14 +37,17 @@ def _generator(*parts) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
 
 
-def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int,
-                  max_examples: int | None = None) -> PackedDataset:
-    """Examples of corpus `name` -> ChatML tokens with assistant-only loss -> BFD-packed rows.
+def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int, max_examples: int | None = None,
+                  chat_format: str = "auto", val_name: str = "", val_fraction: float = 0.05,
+                  skip_bad_rows: bool = False) -> PackedDataset:
+    """Examples of corpus `name` (a built-in corpus, or a path to a user's JSONL / Parquet files) ->
+    tokens with an assistant-only loss (``chat_format``, chat.py) -> BFD-packed rows.
 
-    The examples are shuffled by `seed` before `max_examples` takes the first ones, so a small
-    subset is a random sample, not the first subject of the source file. Rows are shuffled by
-    `seed` too. `tokenizer` is an HF tokenizer or a ByteTokenizer; padding uses its pad_token_id,
-    or its eos_token_id when it has no pad token.
+    Built-in corpora: the examples are shuffled by `seed` before `max_examples` takes the first ones,
+    so a small subset is a random sample, not the first subject of the source file. Rows are shuffled
+    by `seed` too. A user's files stream through user_data.py (held-out rows from `val_name` or a
+    seeded `val_fraction`; `max_examples` takes the first rows). `tokenizer` is an HF tokenizer or a
+    ByteTokenizer; padding uses its pad_token_id, or its eos_token_id when it has no pad token.
     """
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:
@@ -52,12 +56,18 @@ def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int,
         raise ValueError("tokenizer has neither pad_token_id nor eos_token_id to pad rows with")
     if max_examples is not None and max_examples <= 0:
         raise ValueError(f"max_examples must be positive or None, got {max_examples}")
+    if name not in CORPORA:
+        return build_file_dataset(name, tokenizer, seq_len, split, seed, max_examples, chat_format, val_name,
+                                  val_fraction, skip_bad_rows, pad_id)
+    fmt = resolve_chat_format(tokenizer, chat_format)
     examples = load_examples(name, split)
     g = _generator(seed, "build_dataset", name, split)
     order = torch.randperm(len(examples), generator=g).tolist()[:max_examples]
-    tokenized = [tokenize_chat(tokenizer, examples[i]["prompt"], examples[i]["response"]) for i in order]
+    tokenized = [tokenize_messages(tokenizer, ({"role": "user", "content": examples[i]["prompt"]},
+                                               {"role": "assistant", "content": examples[i]["response"]}), fmt)
+                 for i in order]
     ds = pack(tokenized, seq_len, pad_id, generator=g)
-    ds.stats.update(corpus=name, split=split, seed=seed)
+    ds.stats.update(corpus=name, split=split, seed=seed, chat_format=fmt)
     return ds
 
 
@@ -93,5 +103,5 @@ def _iterate(ds: PackedDataset, batch_size: int, seed: int, shard: int, spe: int
             perm = torch.randperm(len(ds), generator=_generator(seed, e))
             epoch, mine = e, perm[shard * block:(shard + 1) * block]
         idx = mine[j * batch_size:(j + 1) * batch_size]
-        yield {"input_ids": ds.input_ids[idx], "labels": ds.labels[idx], "segment_ids": ds.segment_ids[idx]}
+        yield ds.rows(idx)
         step += 1

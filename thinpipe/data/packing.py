@@ -38,9 +38,9 @@ PAD_SEGMENT = -1
 class PackedDataset:
     """Fixed-length training rows; row i is (input_ids[i], labels[i], segment_ids[i])."""
 
-    input_ids: torch.Tensor  # (N, seq_len) int64
-    labels: torch.Tensor  # (N, seq_len) int64; input_ids where loss counts, else -100
-    segment_ids: torch.Tensor  # (N, seq_len) int64; document index within the row, -1 = padding
+    input_ids: torch.Tensor  # (N, seq_len) int64 (int32, memory-mapped, for a user's files: rows() widens)
+    labels: torch.Tensor  # (N, seq_len); input_ids where loss counts, else -100
+    segment_ids: torch.Tensor  # (N, seq_len); document index within the row, -1 = padding
     stats: dict = field(default_factory=dict)  # counts from packing (examples, truncated, fill, ...)
 
     def __len__(self) -> int:
@@ -51,7 +51,12 @@ class PackedDataset:
         return self.input_ids.shape[1]
 
     def __getitem__(self, i) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids[i], "labels": self.labels[i], "segment_ids": self.segment_ids[i]}
+        return self.rows(i)
+
+    def rows(self, i) -> dict[str, torch.Tensor]:
+        """Rows ``i`` (an index, slice or index tensor) as int64 tensors (a user's cached data is int32 on disk)."""
+        return {"input_ids": self.input_ids[i].long(), "labels": self.labels[i].long(),
+                "segment_ids": self.segment_ids[i].long()}
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:

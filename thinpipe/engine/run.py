@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from thinpipe.comm import AXES
 from thinpipe.config import Config, ConfigError, Diverged, load_config
+from thinpipe.dashboards import Dashboards
 from thinpipe.engine.setup import lr_at
 from thinpipe.engine.sim_engine import SimEngine
 from thinpipe.log import say
@@ -119,6 +120,8 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     rollbacks, step = 0, start
     nan_at = int(os.environ.get("THINPIPE_TEST_NAN_AT_STEP", "-1"))  # divergence tests only: one NaN loss
     f = open(out / "metrics.jsonl", "a") if engine.lead else _Discard()
+    dash = Dashboards(cfg, out, start) if engine.lead else Dashboards.none()
+    shown = {"val": f"{val_points[-1][1]:.3f}"}
     try:
         while step < t.steps:
             loss = engine.train_step(step)
@@ -143,8 +146,12 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 metrics.append(row)
                 f.write(json.dumps(row) + "\n")
                 f.flush()
+                dash.log(row)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.3f}", lr=f"{row['lr']:.2e}")
+                if "val_loss" in row:
+                    shown["val"] = f"{row['val_loss']:.3f}"
+                bar.set_postfix(loss=f"{loss:.3f}", val=shown["val"], lr=f"{row['lr']:.2e}",
+                                wire=_rate(sum(b[a] for a in AXES), row["wall_s"]))
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
                     if engine.weights_finite():  # a checkpoint never holds a diverged state
                         engine.save(ckpt, {"val_points": val_points})
@@ -158,8 +165,12 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 raise _diverged(step, diverged, last_good, ckpt, t.lr, rollbacks)
             rollbacks += 1
             step, metrics, val_points = _rollback(engine, cfg, out, ckpt, step, diverged, rollbacks, metrics, f)
+            dash.rewind(step)
             bar.n = step
             bar.refresh()
+    except BaseException:
+        dash.close()
+        raise
     finally:
         f.close()
         bar.close()
@@ -184,11 +195,23 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         **extras, "val_points": val_points,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    dash.log({"step": t.steps, "val_loss": final_val})
+    dash.summary(summary, t.steps)
+    dash.close()
     b_cfg = cfg.boundary
     plot_losses(metrics, val_points, out / "loss.png",
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
                 f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
     return summary
+
+
+def _rate(nbytes: float, seconds: float) -> str:
+    """Bytes the mesh sent per second of this run, for the progress bar (e.g. "1.2MB/s")."""
+    r = nbytes / seconds if seconds > 0 else 0.0
+    for unit in ("B", "kB", "MB", "GB"):
+        if r < 1000 or unit == "GB":
+            return f"{r:.3g}{unit}/s"
+        r /= 1000
 
 
 def _diverged(step: int, what: str, last_good: int | None, ckpt: Path, lr: float, rollbacks: int = 0) -> Diverged:

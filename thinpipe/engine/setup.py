@@ -93,8 +93,10 @@ def load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
 
 def build_data(cfg: Config, tokenizer) -> tuple[PackedDataset, PackedDataset]:
     t, d = cfg.train, cfg.data
-    train = build_dataset(d.name, tokenizer, t.seq_len, "train", t.seed, d.max_examples or None)
-    val = build_dataset(d.name, tokenizer, t.seq_len, "val", t.seed)
+    common = {"chat_format": d.chat_format, "val_name": d.val_name, "val_fraction": d.val_fraction,
+              "skip_bad_rows": d.skip_bad_rows}
+    train = build_dataset(d.name, tokenizer, t.seq_len, "train", t.seed, d.max_examples or None, **common)
+    val = build_dataset(d.name, tokenizer, t.seq_len, "val", t.seed, **common)
     if len(train) < t.batch_size * cfg.mesh.dp:
         raise ConfigError(f"data {d.name!r} packs into {len(train)} training rows of {t.seq_len} tokens, fewer than one "
                           f"step needs ({t.batch_size} x {cfg.mesh.dp} replicas): lower train.batch_size or raise "
@@ -107,8 +109,7 @@ def build_data(cfg: Config, tokenizer) -> tuple[PackedDataset, PackedDataset]:
 
 def val_batches(val: PackedDataset, batch_size: int):
     for i in range(0, len(val), batch_size):
-        yield {"input_ids": val.input_ids[i:i + batch_size], "labels": val.labels[i:i + batch_size],
-               "segment_ids": val.segment_ids[i:i + batch_size]}
+        yield val.rows(slice(i, i + batch_size))
 
 
 def replica_stream(cfg: Config, train: PackedDataset, replica: int, start_step: int):

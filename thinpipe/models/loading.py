@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from thinpipe.config import ConfigError
 from thinpipe.data import ByteTokenizer
+from thinpipe.data.byte_tokenizer import MARKER as BYTE_MARKER
 from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
 
 
@@ -127,7 +128,10 @@ def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
 
 
 def load_tokenizer(folder: Path):
-    """The tokenizer of a Hugging Face model folder (the one ``load_model`` returns with its model)."""
+    """The tokenizer of a Hugging Face model folder (the one ``load_model`` returns with its model); a
+    folder exported from a random preset's run holds thinpipe's byte tokenizer's marker instead."""
+    if (Path(folder) / BYTE_MARKER).is_file():
+        return ByteTokenizer()
     return AutoTokenizer.from_pretrained(folder)
 
 

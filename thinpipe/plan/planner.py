@@ -114,10 +114,13 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
             fwd_bits = fwd + side
         return (fwd_bits + bwd + side) / (2 * 8 * elem_bytes)
     if b.kind == "outlier":
-        # C intact channels in the wire dtype; every value at fwd / bwd bits after rotation; the tiles' scales
+        # C intact channels (wire dtype or bf16); every value at fwd / bwd bits after rotation; the forward's
+        # scales per outlier_scale_group dims, the backward's per tile
         fwd, bwd = b.bits()
         side = 32 / (b.quant_group or arch.hidden)
-        return (b.outlier_channels * 8 * elem_bytes / arch.hidden + fwd + bwd + 2 * side) / (2 * 8 * elem_bytes)
+        fwd_side = 32 / b.outlier_scale_group if b.outlier_scale_group else side
+        intact = 2 if b.outlier_dtype == "bfloat16" else elem_bytes
+        return (b.outlier_channels * 8 * intact / arch.hidden + fwd + bwd + fwd_side + side) / (2 * 8 * elem_bytes)
     raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier and the quantisers, "
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 

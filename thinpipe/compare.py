@@ -1,0 +1,124 @@
+"""``thinpipe compare RUN [RUN ...]``: runs side by side, the quality-for-bytes picture users decide from.
+
+One table (held-out loss at its best and at the end, bytes per token per axis, PP compression
+against the dense run among them, tokens/s) and, with ``--out``, ``compare.json`` and
+``compare.png``: held-out loss against step and against the PP bytes sent so far (log scale).
+A run still training is compared from its ``metrics.jsonl`` (marked "running").
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+from thinpipe.config import ConfigError
+
+AXES_SHOWN = ("pp_fwd", "pp_bwd", "dp", "anchor")
+
+
+def _rows(folder: Path) -> list[dict]:
+    path = folder / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+
+
+def load(folder: str | Path) -> dict:
+    """One run's comparable numbers (finished: summary.json; running: its metrics so far)."""
+    folder = Path(folder)
+    if not (folder / "config.toml").is_file():
+        raise ConfigError(f"{folder} is not a thinpipe run folder (no config.toml): give --out folders of `thinpipe train`")
+    cfg = tomllib.loads((folder / "config.toml").read_text())
+    rows = _rows(folder)
+    done = (folder / "summary.json").is_file()
+    if done:
+        s = json.loads((folder / "summary.json").read_text())
+        points = [tuple(p) for p in s["val_points"]]
+        tokens, per_token, tps = s["tokens"], s["bytes_per_token"], s["tokens_per_s"]
+    else:
+        if not rows:
+            raise ConfigError(f"{folder} has no metrics yet (the run has not finished a step): compare it later")
+        points = [(r["step"] + 1, r["val_loss"]) for r in rows if "val_loss" in r]
+        last = rows[-1]
+        tokens = last["tokens"]
+        per_token = {k[:-6]: last[k] / tokens for k in last if k.endswith("_bytes")}
+        tps = tokens / last["wall_s"] if last["wall_s"] > 0 else None
+    if not points:
+        raise ConfigError(f"{folder} has no held-out loss yet: set eval.every, or wait for it to finish")
+    by_step = {r["step"] + 1: r.get("pp_fwd_bytes", 0) + r.get("pp_bwd_bytes", 0) for r in rows}
+    by_step[0] = 0
+    if done:
+        by_step[s["steps"]] = s.get("pp_fwd_bytes", 0) + s.get("pp_bwd_bytes", 0)
+    b = cfg["boundary"]
+    return {
+        "run": folder.name, "path": str(folder), "finished": done, "kind": b["kind"],
+        "dense": b["kind"] == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
+        "best_val_loss": min(p[1] for p in points), "final_val_loss": points[-1][1],
+        "bytes_per_token": {a: per_token.get(a, 0.0) for a in AXES_SHOWN},
+        "pp_bytes_per_token": per_token.get("pp_fwd", 0.0) + per_token.get("pp_bwd", 0.0),
+        "tokens_per_s": tps, "val_points": points,
+        "val_vs_pp_bytes": [(by_step[st], v) for st, v in points if st in by_step],
+    }
+
+
+def compare(folders: list[str | Path]) -> dict:
+    """The runs, each with ``pp_compression`` against the first dense run among them (None if none)."""
+    if not folders:
+        raise ConfigError("thinpipe compare needs at least one run folder")
+    runs = [load(f) for f in folders]
+    dense = next((r for r in runs if r["dense"]), None)
+    for r in runs:
+        r["pp_compression"] = (dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]
+                               if dense and r["pp_bytes_per_token"] else None)
+        r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense else None
+    return {"dense": dense["run"] if dense else None, "runs": runs}
+
+
+def format_table(result: dict) -> str:
+    head = (f"{'run':<22}{'kind':<10}{'best held-out':>14}{'final':>9}{'vs dense':>10}{'PP B/tok':>10}"
+            f"{'compr.':>8}{'DP B/tok':>10}{'anchor B/tok':>13}{'tok/s':>8}")
+    lines = [head, "-" * len(head)]
+    for r in result["runs"]:
+        vs = "-" if r["vs_dense_final"] is None or r["dense"] else f"{r['vs_dense_final']:+.1%}"
+        comp = "-" if r["pp_compression"] is None else f"{r['pp_compression']:.1f}x"
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
+        name = r["run"] + ("" if r["finished"] else " (running)")
+        lines.append(f"{name:<22}{r['kind']:<10}{r['best_val_loss']:>14.4f}{r['final_val_loss']:>9.4f}{vs:>10}"
+                     f"{r['pp_bytes_per_token']:>10.1f}{comp:>8}{r['bytes_per_token']['dp']:>10.1f}"
+                     f"{r['bytes_per_token']['anchor']:>13.1f}{tps:>8}")
+    lines.append("held-out loss is measured through dense boundaries; PP B/tok = forward + backward boundary bytes per "
+                 "trained token; compr. = the dense run's PP bytes / this run's" +
+                 ("" if result["dense"] else " (no dense run among these: boundary.kind = identity)"))
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in result["runs"]:
+        label = f"{r['run']} ({r['pp_bytes_per_token']:.0f} PP B/token)"
+        a.plot(*zip(*r["val_points"]), "o-", ms=3, label=label)
+        pts = [(x, y) for x, y in r["val_vs_pp_bytes"] if x > 0]
+        if pts:
+            b.plot(*zip(*pts), "o-", ms=3, label=label)
+    a.set_xlabel("step")
+    b.set_xlabel("PP bytes sent (cumulative, log scale)")
+    b.set_xscale("log")
+    for ax in (a, b):
+        ax.set_ylabel("held-out loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(result: dict, out: str | Path) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "compare.png")
+    return out
