@@ -138,3 +138,52 @@ def test_a_dashboard_that_is_not_installed_is_one_line(tmp_path, capsys, monkeyp
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     assert main(["train", "--out", str(tmp_path / "r"), "--set", "log.wandb=true"]) == 2
     assert "log.wandb = true but wandb is not installed: pip install wandb" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_chat_sample_trains_on_smollm2_with_its_own_template(tmp_path):
+    """Issue 18's "done when": a user's JSONL chat file, the default model, the model's own template."""
+    from thinpipe.data import build_dataset
+    from thinpipe.models.loading import load_tokenizer, model_folder as smollm2_folder
+
+    tok = load_tokenizer(smollm2_folder("smollm2-135m"))
+    ds = build_dataset(str(SAMPLE), tok, 256, "train", 0, chat_format="template", val_fraction=0.2)
+    row, labels = ds.rows(0)["input_ids"], ds.rows(0)["labels"]
+    text = tok.decode(row.tolist())
+    assert "You are a helpful AI assistant named SmolLM" in text or "You are a concise math tutor." in text
+    learned = tok.decode(labels[labels >= 0].tolist())
+    assert "<|im_start|>" not in learned and "What is" not in learned and " = " in learned
+    out = tmp_path / "run"
+    assert main(["train", "--out", str(out), "--quiet", "--set", f"data.name={SAMPLE}", "--set",
+                 "data.chat_format=template", "--set", "train.steps=2", "--set", "mesh.pp=2", "--set",
+                 "train.seq_len=256", "--set", "train.batch_size=2", "--set", "data.val_fraction=0.2",
+                 "--set", "model.tied=untie"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["steps"] == 2 and s["final_val_loss"] < 5.0
+
+
+@pytest.mark.slow
+def test_compare_tables_and_plots_runs_against_the_dense_one(tmp_path, capsys):
+    base = ["--quiet", "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "data.name=synthetic",
+            "--set", "train.steps=4", "--set", "eval.every=2", "--set", "train.seq_len=32"]
+    assert main(["train", "--out", str(tmp_path / "dense"), *base]) == 0
+    assert main(["train", "--out", str(tmp_path / "m75"), *base, "--set", "boundary.kind=mask",
+                 "--set", "boundary.p=0.75"]) == 0
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "m75"), str(tmp_path / "dense"), "--out", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert "m75" in table and "dense" in table and "4.0x" in table  # p = 0.75 keeps a quarter of the dims
+    got = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert got["dense"] == "dense" and (tmp_path / "cmp" / "compare.png").stat().st_size > 10_000
+    m75, dense = got["runs"]
+    for r in (m75, dense):
+        s = json.loads((tmp_path / r["run"] / "summary.json").read_text())
+        assert r["final_val_loss"] == s["final_val_loss"] and r["best_val_loss"] == min(v for _, v in s["val_points"])
+    assert m75["pp_compression"] == pytest.approx(dense["pp_bytes_per_token"] / m75["pp_bytes_per_token"])
+    assert m75["vs_dense_final"] == pytest.approx(m75["final_val_loss"] / dense["final_val_loss"] - 1)
+    # a run still training compares from its metrics so far; a folder that is no run is one line
+    (tmp_path / "m75" / "summary.json").unlink()
+    assert main(["compare", str(tmp_path / "m75"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"][0]["finished"] is False
+    assert main(["compare", str(tmp_path / "cmp")]) == 2
+    assert "not a thinpipe run folder" in capsys.readouterr().err

@@ -38,10 +38,20 @@ def arm_row(folder: Path, source: str) -> dict | None:
             "anchor": cfg["mesh"].get("anchor", 0), "seed": cfg["train"]["seed"],
             "pp_fwd_bytes_per_token": s["bytes_per_token"]["pp_fwd"],
             "pp_bwd_bytes_per_token": s["bytes_per_token"]["pp_bwd"], "pp_bytes_per_token": pp,
-            "compression_x": DENSE_PP / pp, "pp_bytes_per_token_bf16": pp / 2 if b["kind"] in
-            ("identity", "mask", "topk", "bottleneck") else None,
+            "compression_x": DENSE_PP / pp, "pp_bytes_per_token_bf16": bf16_bytes(b, pp),
+            "compression_x_bf16": DENSE_PP / 2 / bf16_bytes(b, pp),
             "initial_val_loss": vals[0][1], "best_val_loss": best, "best_step": best_step,
             "final_val_loss": s["final_val_loss"], "val_points": vals, "wall_s": s["wall_s"], "steps": s["steps"]}
+
+
+def bf16_bytes(b: dict, pp: float) -> float:
+    """The same arm's PP bytes per token on a bf16 wire: values halve; codes and their bf16 scales do not;
+    the outlier kind's intact channels (forward, 3 boundaries) halve unless they are bf16 already."""
+    if b["kind"] in ("identity", "mask", "topk", "bottleneck"):
+        return pp / 2
+    if b["kind"] == "outlier" and b.get("outlier_dtype", "wire") == "wire":
+        return pp - b["outlier_channels"] * 2 * 3
+    return pp
 
 
 def collect() -> list[dict]:
@@ -70,13 +80,15 @@ def main() -> None:
     rows.sort(key=lambda r: (-r["pp_bytes_per_token"], r["arm"]))
     out = HERE / "results"
     (out / "frontier.json").write_text(json.dumps(rows, indent=2))
-    lines = ["| arm | kind | source | seed | PP B/token (fwd / bwd) | x dense | best held-out (step) | final held-out "
-             "| final vs Dense | wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arm | kind | source | seed | PP B/token (fwd / bwd) | x dense | x dense, bf16 wire | best held-out (step) "
+             "| final held-out | final vs Dense | wall s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['arm']} | {r['kind']} | {r['source']} | {r['seed']} | {r['pp_bytes_per_token']:,.0f} "
                      f"({r['pp_fwd_bytes_per_token']:,.0f} / {r['pp_bwd_bytes_per_token']:,.0f}) | "
-                     f"{r['compression_x']:.1f}x | {r['best_val_loss']:.4f} ({r['best_step']}) | "
-                     f"{r['final_val_loss']:.4f} | {r['final_vs_dense']:+.1%} | {r['wall_s']:.0f} |")
+                     f"{r['compression_x']:.1f}x | {r['compression_x_bf16']:.1f}x | {r['best_val_loss']:.4f} "
+                     f"({r['best_step']}) | {r['final_val_loss']:.4f} | {r['final_vs_dense']:+.1%} | {r['wall_s']:.0f} |")
+    lines += seed_pairs(rows)
     if old_dense is not None:
         lines.append(f"\nControl: Dense rerun today {dense['final_val_loss']:.6f} vs committed "
                      f"{old_dense['final_val_loss']:.6f} ({dense['final_val_loss'] - old_dense['final_val_loss']:+.2e}).")
@@ -90,6 +102,24 @@ def main() -> None:
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, dense, out / "frontier.png")
+
+
+def seed_pairs(rows: list[dict]) -> list[str]:
+    """Arms run with seeds 0 and 1 (and Dense with both): the two-seed mean against Dense's."""
+    fr = {r["arm"]: r for r in rows if r["source"] == "frontier"}
+    if "Dense seed 1" not in fr:
+        return []
+    dense = (fr["Dense"]["final_val_loss"] + fr["Dense seed 1"]["final_val_loss"]) / 2
+    out = [f"\nTwo seeds (0, 1): Dense {fr['Dense']['final_val_loss']:.4f} / {fr['Dense seed 1']['final_val_loss']:.4f}, "
+           f"mean {dense:.4f}."]
+    for name, r in fr.items():
+        twin = fr.get(f"{name} seed 1")
+        if twin is None or r["kind"] == "identity":
+            continue
+        mean = (r["final_val_loss"] + twin["final_val_loss"]) / 2
+        out.append(f"{name}: {r['final_val_loss']:.4f} / {twin['final_val_loss']:.4f}, mean {mean:.4f}, "
+                   f"{mean / dense - 1:+.2%} against Dense's mean, at {r['compression_x']:.1f}x.")
+    return out
 
 
 def plot(rows: list[dict], dense: dict, path: Path) -> None:

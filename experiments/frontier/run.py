@@ -45,6 +45,7 @@ ARMS = {
     "Outlier 3b-1b tok": outlier(3, 1, per_token=True),
     "Outlier 2b-2b seed 1": {**outlier(2, 2), "train.seed": 1},
     "Dense seed 1": {"train.seed": 1},
+    "Outlier 4b-1b tok seed 1": {**outlier(4, 1, per_token=True), "train.seed": 1},
 }
 
 

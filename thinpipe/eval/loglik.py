@@ -86,6 +86,7 @@ def score_requests(
     add_bos_token: bool | None = False,
     pad_token_id: int = 0,
     device: torch.device | str | None = None,
+    desc: str = "loglikelihood",
 ) -> list[tuple[float, bool]]:
     """(sum of continuation log-probs, is_greedy) for each (context, continuation) request.
 
@@ -122,7 +123,7 @@ def score_requests(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(requests), desc="loglikelihood", unit="req", dynamic_ncols=True)
+        bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
     try:
         with torch.inference_mode():
             for b0 in range(0, len(order), batch_size):

@@ -110,5 +110,5 @@ def evaluate_mc(
     """
     items = load_task(task, limit)
     lls = score_items(logits_fn, tokenizer, items, batch_size=batch_size, max_len=max_len,
-                      progress=progress, add_bos_token=add_bos_token)
+                      progress=progress, add_bos_token=add_bos_token, desc=task)
     return {"task": task, **mc_metrics(items, lls)}
