@@ -26,7 +26,8 @@ LAYERS = [
     ["thinpipe.engine.sim", "thinpipe.engine.sim_engine",  # runners
      "thinpipe.engine.dist", "thinpipe.engine.run", "thinpipe.engine"],
     ["thinpipe.runs"],                                                                   # run folders
-    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.compare"],  # commands
+    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.compare",
+     "thinpipe.preflight"],  # commands
     ["thinpipe.demo"],                                                                   # runs train + compare
     ["thinpipe.bench"],                                                                  # runs plan + launch
     ["thinpipe.cli"],

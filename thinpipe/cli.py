@@ -8,84 +8,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
 import sys
 from pathlib import Path
 
 from thinpipe.config import ConfigError, Diverged, load_config
 from thinpipe.plugins import load_plugins
+from thinpipe.preflight import check_run, claim_out, validate_names, validate_tasks
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
-RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint", "init", "tensorboard",
-             "wandb")  # what `train` writes
-
-
-def _validate_names(cfg) -> None:
-    """Cheap checks of names that would otherwise fail only after loading a model."""
-    from thinpipe.data import CORPORA
-    from thinpipe.data.rows import data_files
-    from thinpipe.models.loading import model_num_layers, resolve_model_name
-
-    resolve_model_name(cfg.model.name)
-    for name in (cfg.data.name, cfg.data.val_name):
-        if name and name not in CORPORA:  # a user's files: absolute, so a --resume from elsewhere finds them
-            data_files(name)
-            if name == cfg.data.name:
-                cfg.data.name = str(Path(name).resolve())
-            else:
-                cfg.data.val_name = str(Path(name).resolve())
-    layers = model_num_layers(cfg.model.name)
-    if layers is not None and cfg.mesh.pp > layers:
-        raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {layers} decoder layers: "
-                          f"use mesh.pp <= {layers}")
-    if layers is not None and cfg.mesh.split and sum(cfg.mesh.split) != layers:
-        raise ConfigError(f"mesh.split = {cfg.mesh.split} covers {sum(cfg.mesh.split)} layers but "
-                          f"{cfg.model.name} has {layers}")
-    if cfg.eval.tasks:
-        _validate_tasks(cfg.eval.tasks)
-    from thinpipe.dashboards import check_installed
-
-    check_installed(cfg)
-
-
-def _validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
-    from thinpipe.eval import TASKS
-
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown:
-        raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS) + list(extra))}")
-
-
-def _claim_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """A folder that holds a run is never written over by accident: --resume continues it,
-    --overwrite replaces it (only the files `train` writes are removed)."""
-    if resume and overwrite:
-        raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
-    held = [n for n in RUN_FILES if (out / n).exists()]
-    if not held or resume:
-        return
-    if not overwrite:
-        raise ConfigError(f"--out {out} holds a run ({', '.join(held)}): add --resume to continue it, --overwrite to "
-                          "replace it, or choose another --out")
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine removes (dist ranks share the folder)
-        for n in held:
-            shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
-
-
-def _check_run(run: Path) -> None:
-    from thinpipe.checkpoint import has_checkpoint, refuse_legacy
-
-    if not (run / "config.toml").is_file() or not has_checkpoint(run):
-        refuse_legacy(run / "checkpoint")
-        raise ConfigError(f"--run {run}: no run with a checkpoint there; give the --out folder of a `thinpipe train` run")
-
-
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
-    _claim_out(Path(args.out), args.resume, args.overwrite)
+    claim_out(Path(args.out), args.resume, args.overwrite)
     if args.init_from:
         from thinpipe.runs import init_weights
 
@@ -93,7 +28,7 @@ def cmd_train(args) -> int:
             raise ConfigError("--init-from starts a new run from other weights, --resume continues this one: give one")
         cfg.model.init_from = str(Path(args.init_from).resolve())
         cfg.model.name = str(init_weights(args.init_from, Path(args.out) / "init"))
-    _validate_names(cfg)
+    validate_names(cfg)
     if args.engine == "dist":
         from thinpipe.engine.dist import check_supported, train_dist
         from thinpipe.engine.run import resolve_resume
@@ -175,7 +110,7 @@ def cmd_eval(args) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa or --tasks gsm8k")
-    _validate_tasks([t for t in tasks if t not in GENERATIVE], extra=sorted(GENERATIVE))
+    validate_tasks([t for t in tasks if t not in GENERATIVE], extra=sorted(GENERATIVE))
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1 or args.timeout <= 0:
@@ -255,7 +190,7 @@ def cmd_export(args) -> int:
     from thinpipe.runs import export
 
     run = Path(args.run)
-    _check_run(run)
+    check_run(run)
     out = export(run, args.out)
     print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
@@ -266,9 +201,9 @@ def cmd_prune(args) -> int:
     from thinpipe.prune import parse_sparsities, prune_sweep
 
     run = Path(args.run)
-    _check_run(run)
+    check_run(run)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    _validate_tasks(tasks)
+    validate_tasks(tasks)
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     result = prune_sweep(run, parse_sparsities(args.sparsity), tasks, args.limit, Path(args.out) if args.out else None,
@@ -306,7 +241,7 @@ def cmd_probe(args) -> int:
     from thinpipe.probe import command
 
     cfg = load_config(args.config, ([f"model.name={args.model}"] if args.model else []) + args.set)
-    _validate_names(cfg)
+    validate_names(cfg)
     return command(cfg, args)
 
 
