@@ -247,7 +247,8 @@ def test_outlier_boundary_calibrates_the_massive_channels_and_sends_them_intact(
         b.load_init(Payload({"channels": torch.tensor([1, 99])}))
 
 
-@pytest.mark.parametrize("scale_group, dtype", [(0, "wire"), (0, "bfloat16"), (H, "wire"), (2 * 16, "bfloat16")])
+@pytest.mark.parametrize("scale_group, dtype", [(0, "wire"), (0, "bfloat16"), (H, "wire"), (-1, "wire"),
+                                                (2 * 16, "bfloat16")])
 def test_outlier_forward_scale_groups_and_bf16_channels_meter_their_formula(scale_group, dtype):
     """Per-token (or wider) forward scales and bf16 intact channels: the meter equals expected_bytes,
     which equals the hand count, and the decode is still close (one scale pair over more dims)."""
@@ -257,7 +258,7 @@ def test_outlier_forward_scale_groups_and_bf16_channels_meter_their_formula(scal
                  boundary__fwd_bits=4, boundary__bwd_bits=1, train__batch_size=2, train__seq_len=16)
     mesh = SimMesh(model, cfg)
     mesh.forward_backward([tiny_batch(batch_size=2, seq_len=16)])
-    tokens, S = 32, scale_group or 16
+    tokens, S = 32, H if scale_group == -1 else scale_group or 16
     intact = 2 if dtype == "bfloat16" else 4
     fwd = tokens * (4 * intact + H * 4 // 8 + H // S * 4)
     bwd = tokens * (H * 1 // 8 + H // 16 * 4)
@@ -268,5 +269,7 @@ def test_outlier_forward_scale_groups_and_bf16_channels_meter_their_formula(scal
 def test_outlier_scale_group_must_tile_the_hidden_size():
     with pytest.raises(ValueError, match="multiple of the tile"):
         OutlierBoundary(0, 64, 2, 2, 2, 16, scale_group=24)
+    with pytest.raises(ConfigError, match="outlier_scale_group must be >= -1"):
+        config(boundary__kind="outlier", boundary__outlier_scale_group=-2)
     with pytest.raises(ConfigError, match="outlier_dtype wire or bfloat16"):
         config(boundary__kind="outlier", boundary__outlier_dtype="fp8")

@@ -331,7 +331,8 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
 
 
 @pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier",
-                                  "outlier:boundary.outlier_scale_group=576:boundary.outlier_dtype=bfloat16"])
+                                  "outlier:boundary.outlier_scale_group=576:boundary.outlier_dtype=bfloat16",
+                                  "outlier:boundary.outlier_scale_group=-1"])
 def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
     and boundary, on SmolLM2 (H 576) at fp32."""

@@ -12,11 +12,11 @@ COMMON=(--set mesh.pp=4 --set model.tied=untie --set train.seq_len=256 --set tra
         --set boundary.kind=outlier --set boundary.fwd_bits=2 --set boundary.bwd_bits=2 --set log.tensorboard=true)
 $PY examples/two_phase/make_data.py --out "$OUT/data"
 # phase 1: continual pretraining (loss on every token)
-$PY -m thinpipe train --out "$OUT/cpt" --overwrite "${COMMON[@]}" --set data.name="$OUT/data/text.jsonl" --set train.steps=40
+$PY -m thinpipe train --out "$OUT/cpt" --overwrite "${COMMON[@]}" --set data.name="$OUT/data/text.jsonl" --set train.steps=30
 # phase 2: SFT from phase 1's weights (loss on the assistant turns, the model's chat format)
 $PY -m thinpipe train --out "$OUT/sft" --overwrite --init-from "$OUT/cpt" "${COMMON[@]}" \
-    --set data.name="$OUT/data/chat.jsonl" --set train.steps=40
+    --set data.name="$OUT/data/chat.jsonl" --set train.steps=30
 # control: the same SFT from the base model
 $PY -m thinpipe train --out "$OUT/sft_only" --overwrite "${COMMON[@]}" --set data.name="$OUT/data/chat.jsonl" \
-    --set train.steps=40
+    --set train.steps=30
 $PY -m thinpipe compare "$OUT/sft_only" "$OUT/sft" --out "$OUT/compare"

@@ -72,11 +72,16 @@ def main() -> None:
     rows = collect()
     dense = next(r for r in rows if r["kind"] == "identity" and r["seed"] == 0 and r["source"] == "frontier")
     old_dense = next((r for r in rows if r["kind"] == "identity" and r["source"] != "frontier"), None)
+    dense_of_seed = {r["seed"]: r for r in rows if r["kind"] == "identity" and r["source"] == "frontier"}
     for r in rows:
-        r["final_vs_dense"] = r["final_val_loss"] / dense["final_val_loss"] - 1
-        r["best_vs_dense"] = r["best_val_loss"] / dense["best_val_loss"] - 1
-        r["meets_milestone"] = r["compression_x"] >= MILESTONE_X and r["final_vs_dense"] <= WITHIN
-        r["meets_goal"] = r["compression_x"] >= GOAL_X and r["final_vs_dense"] <= WITHIN
+        own = dense_of_seed.get(r["seed"], dense) if r["source"] == "frontier" else dense
+        r["final_vs_dense"] = r["final_val_loss"] / own["final_val_loss"] - 1
+        r["best_vs_dense"] = r["best_val_loss"] / own["best_val_loss"] - 1
+    seeds = seed_pairs(rows)  # adds final_vs_dense_mean to the seed-0 arms that have a seed-1 twin
+    for r in rows:
+        gap = r.get("final_vs_dense_mean", r["final_vs_dense"])  # both seeds when there are two
+        r["meets_milestone"] = r["compression_x"] >= MILESTONE_X and gap <= WITHIN and r["seed"] == 0
+        r["meets_goal"] = r["compression_x"] >= GOAL_X and gap <= WITHIN and r["seed"] == 0
     rows.sort(key=lambda r: (-r["pp_bytes_per_token"], r["arm"]))
     out = HERE / "results"
     (out / "frontier.json").write_text(json.dumps(rows, indent=2))
@@ -88,37 +93,41 @@ def main() -> None:
                      f"({r['pp_fwd_bytes_per_token']:,.0f} / {r['pp_bwd_bytes_per_token']:,.0f}) | "
                      f"{r['compression_x']:.1f}x | {r['compression_x_bf16']:.1f}x | {r['best_val_loss']:.4f} "
                      f"({r['best_step']}) | {r['final_val_loss']:.4f} | {r['final_vs_dense']:+.1%} | {r['wall_s']:.0f} |")
-    lines += seed_pairs(rows)
+    lines += seeds
     if old_dense is not None:
         lines.append(f"\nControl: Dense rerun today {dense['final_val_loss']:.6f} vs committed "
                      f"{old_dense['final_val_loss']:.6f} ({dense['final_val_loss'] - old_dense['final_val_loss']:+.2e}).")
-    best = [r for r in rows if r["final_vs_dense"] <= WITHIN and r["kind"] != "identity"]
+    best = [r for r in rows if r["kind"] != "identity" and r["seed"] == 0
+            and r.get("final_vs_dense_mean", r["final_vs_dense"]) <= WITHIN]
     if best:
         top = max(best, key=lambda r: r["compression_x"])
-        lines.append(f"Most compressed arm within {WITHIN:.0%} of Dense's final held-out loss: {top['arm']} at "
-                     f"{top['compression_x']:.1f}x ({top['pp_bytes_per_token']:,.0f} B/token).")
+        seeds_said = "mean of seeds 0 and 1" if "final_vs_dense_mean" in top else "seed 0 only"
+        lines.append(f"Most compressed arm within {WITHIN:.0%} of Dense's final held-out loss ({seeds_said}): "
+                     f"{top['arm']} at {top['compression_x']:.1f}x ({top['pp_bytes_per_token']:,.0f} B/token).")
     else:
-        lines.append(f"No compressed arm is within {WITHIN:.0%} of Dense's final held-out loss.")
+        lines.append(f"No compressed arm is within {WITHIN:.0%} of Dense's final held-out loss (two-seed mean where "
+                     "there are two seeds).")
     (out / "frontier.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(rows, dense, out / "frontier.png")
 
 
 def seed_pairs(rows: list[dict]) -> list[str]:
-    """Arms run with seeds 0 and 1 (and Dense with both): the two-seed mean against Dense's."""
+    """Arms run with seeds 0 and 1, each against the Dense run of its own seed: a seed draws the data
+    order and also which MATH-500 rows pack into the held-out rows (data.val_rows), so losses of
+    different seeds are not comparable with each other, only their gaps to their own Dense are."""
     fr = {r["arm"]: r for r in rows if r["source"] == "frontier"}
     if "Dense seed 1" not in fr:
         return []
-    dense = (fr["Dense"]["final_val_loss"] + fr["Dense seed 1"]["final_val_loss"]) / 2
-    out = [f"\nTwo seeds (0, 1): Dense {fr['Dense']['final_val_loss']:.4f} / {fr['Dense seed 1']['final_val_loss']:.4f}, "
-           f"mean {dense:.4f}."]
+    d0, d1 = fr["Dense"]["final_val_loss"], fr["Dense seed 1"]["final_val_loss"]
+    out = [f"\nTwo seeds (each against its own seed's Dense: {d0:.4f} / {d1:.4f}; the held-out rows differ by seed):"]
     for name, r in fr.items():
         twin = fr.get(f"{name} seed 1")
         if twin is None or r["kind"] == "identity":
             continue
-        mean = (r["final_val_loss"] + twin["final_val_loss"]) / 2
-        out.append(f"{name}: {r['final_val_loss']:.4f} / {twin['final_val_loss']:.4f}, mean {mean:.4f}, "
-                   f"{mean / dense - 1:+.2%} against Dense's mean, at {r['compression_x']:.1f}x.")
+        g0, g1 = r["final_val_loss"] / d0 - 1, twin["final_val_loss"] / d1 - 1
+        out.append(f"{name} at {r['compression_x']:.1f}x: seed 0 {g0:+.2%}, seed 1 {g1:+.2%}, mean {(g0 + g1) / 2:+.2%}.")
+        r["final_vs_dense_seed1"], r["final_vs_dense_mean"] = g1, (g0 + g1) / 2
     return out
 
 

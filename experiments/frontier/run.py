@@ -40,6 +40,8 @@ ARMS = {
     "Outlier 3b-1b": outlier(3, 1),
     "Outlier 4b-1b": outlier(4, 1),
     "4-bit Quant": {"boundary.kind": "quant4"},
+    "2-bit Quant": {"boundary.kind": "quant2"},
+    "TAH-Quant 2-8": {"boundary.kind": "tahquant"},
     # 3b-1b ended +1.08% at 10.9x: the forward's bytes on bits instead of scales and fp32 channels
     "Outlier 4b-1b tok": outlier(4, 1, per_token=True),
     "Outlier 3b-1b tok": outlier(3, 1, per_token=True),

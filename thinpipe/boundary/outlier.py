@@ -16,8 +16,8 @@ Backward: the activation gradient has no calibrated channels; it is rotated and 
 tile at ``bwd_bits`` in the same way.
 
 Two byte savers for the forward (issue 17's frontier): ``outlier_scale_group`` = S dims share one
-offset and step (S a multiple of G dividing H; S = H is one pair per token: 36 -> 4 B per token at
-H = 576, G = 64), and ``outlier_dtype = bfloat16`` sends the intact channels in bf16 whatever the
+offset and step (S a multiple of G dividing H; S = H, or -1, is one pair per token: 36 -> 4 B per
+token at H = 576, G = 64), and ``outlier_dtype = bfloat16`` sends the intact channels in bf16 whatever the
 wire (fp32 wire: 64 -> 32 B at C = 16). The backward keeps one pair per tile: its 1-bit codes need
 the tile's own range.
 
@@ -46,7 +46,7 @@ class OutlierBoundary(QuantBoundary):
         if self.group & (self.group - 1):
             raise ValueError(f"outlier tiles are Hadamard-rotated: boundary.quant_group must be a power of two, got "
                              f"{self.group}")
-        self.scale_group = scale_group or self.group
+        self.scale_group = hidden_size if scale_group == -1 else scale_group or self.group
         if self.scale_group % self.group or hidden_size % self.scale_group:
             raise ValueError(f"boundary.outlier_scale_group = {scale_group} must be a multiple of the tile "
                              f"(boundary.quant_group = {self.group}) that divides the hidden size {hidden_size}")

@@ -84,8 +84,8 @@ class BoundaryConfig:
     calibrated once on the residual start's batches, ``boundary.pca_batches``)."""
     outlier_scale_group: int = 0
     """``outlier``: hidden dims that share one offset and step in the forward (0 = the rotation
-    tile, ``quant_group``; the hidden size = one pair per token). A multiple of ``quant_group``
-    that divides the hidden size. The backward keeps one pair per tile."""
+    tile, ``quant_group``; -1 or the hidden size = one pair per token). A multiple of
+    ``quant_group`` that divides the hidden size. The backward keeps one pair per tile."""
     outlier_dtype: str = "wire"
     """``outlier``: the intact channels' dtype: ``wire`` (``boundary.dtype``) or ``bfloat16``."""
     ssn_refresh_every: int = 500
@@ -147,8 +147,8 @@ class BoundaryConfig:
                               f"{self.tah_high_fraction} and {self.tah_outlier_ratio}")
         if self.outlier_channels < 0:
             raise ConfigError(f"boundary.outlier_channels must be >= 0, got {self.outlier_channels}")
-        if self.outlier_scale_group < 0 or self.outlier_dtype not in ("wire", "bfloat16"):
-            raise ConfigError("boundary.outlier_scale_group must be >= 0 and boundary.outlier_dtype wire or bfloat16, "
+        if self.outlier_scale_group < -1 or self.outlier_dtype not in ("wire", "bfloat16"):
+            raise ConfigError("boundary.outlier_scale_group must be >= -1 and boundary.outlier_dtype wire or bfloat16, "
                               f"got {self.outlier_scale_group} and {self.outlier_dtype!r}")
         if self.kind == "outlier" and self.quant_group & (self.quant_group - 1):
             raise ConfigError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "

@@ -118,7 +118,8 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         # scales per outlier_scale_group dims, the backward's per tile
         fwd, bwd = b.bits()
         side = 32 / (b.quant_group or arch.hidden)
-        fwd_side = 32 / b.outlier_scale_group if b.outlier_scale_group else side
+        scale = arch.hidden if b.outlier_scale_group == -1 else b.outlier_scale_group
+        fwd_side = 32 / scale if scale else side
         intact = 2 if b.outlier_dtype == "bfloat16" else elem_bytes
         return (b.outlier_channels * 8 * intact / arch.hidden + fwd + bwd + fwd_side + side) / (2 * 8 * elem_bytes)
     raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier and the quantisers, "
