@@ -1,8 +1,8 @@
 """Dashboards people already use (``[log]``): TensorBoard, Weights & Biases, trackio.
 
 Each takes exactly the scalars of ``metrics.jsonl`` under the same names (a nested dict such as
-``diag`` or ``captured_energy`` is flattened with "/"), at the row's step, and the summary's numbers
-as ``summary/...`` at the last step; ``metrics.jsonl`` stays the record, the dashboards are views.
+``diag`` or ``captured_energy`` is flattened with "/"), at the row's step, and at the last step the
+final held-out loss (``val_loss``) and the summary's numbers as ``summary/...``; ``metrics.jsonl`` stays the record, the dashboards are views.
 None is a dependency: a sink that is asked for and not installed is one clear error before training.
 """
 

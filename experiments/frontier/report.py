@@ -16,8 +16,11 @@ import tomllib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [(HERE / "results", "frontier"), (HERE.parent / "anchor_priors" / "results", "anchor_priors (committed)")]
-OLD_ARMS = {"Dense", "M90", "M95", "TopK95", "M90pAP", "M95pAP"}   # the committed arms of this recipe
+SOURCES = [(HERE / "results", "frontier"), (HERE.parent / "anchor_priors" / "results", "anchor_priors (committed)"),
+           (HERE.parent / "mapl" / "results", "mapl adapt (committed)")]
+# the committed arms of this recipe (experiments/anchor_priors BASE; experiments/mapl --suite adapt)
+OLD_ARMS = {"Dense", "M90", "M95", "TopK95", "M90pAP", "M95pAP", "M95_norescale", "TopK95pAP", "M99pAP_d20",
+            "MAPL_r28_pca", "MAPL_r28_random"}
 DENSE_PP = 13824.0  # fp32, 4 stages, H = 576: 3 boundaries x 576 x 4 B, each way
 GOAL_X, MILESTONE_X, WITHIN = 20.0, 10.0, 0.01
 
@@ -49,6 +52,8 @@ def bf16_bytes(b: dict, pp: float) -> float:
     the outlier kind's intact channels (forward, 3 boundaries) halve unless they are bf16 already."""
     if b["kind"] in ("identity", "mask", "topk", "bottleneck"):
         return pp / 2
+    if b["kind"] in ("mapl", "ssn"):  # r values each way halve; token ids and codes do not
+        return pp - b["rank"] * 2 * 2 * 3
     if b["kind"] == "outlier" and b.get("outlier_dtype", "wire") == "wire":
         return pp - b["outlier_channels"] * 2 * 3
     return pp
@@ -71,7 +76,7 @@ def collect() -> list[dict]:
 def main() -> None:
     rows = collect()
     dense = next(r for r in rows if r["kind"] == "identity" and r["seed"] == 0 and r["source"] == "frontier")
-    old_dense = next((r for r in rows if r["kind"] == "identity" and r["source"] != "frontier"), None)
+    old_dense = next((r for r in rows if r["kind"] == "identity" and r["source"].startswith("anchor_priors")), None)
     dense_of_seed = {r["seed"]: r for r in rows if r["kind"] == "identity" and r["source"] == "frontier"}
     for r in rows:
         own = dense_of_seed.get(r["seed"], dense) if r["source"] == "frontier" else dense
