@@ -43,7 +43,7 @@ ARMS = {
     "2-bit Quant": {"boundary.kind": "quant2"},
     "TAH-Quant 2-8": {"boundary.kind": "tahquant"},
     "TopK90": {"boundary.kind": "topk", "boundary.p": 0.9},          # top-K's second ratio (TopK95 is committed)
-    "MAPL r58 pca": {"boundary.kind": "mapl", "boundary.rank": 58, "boundary.init": "pca"},  # ~10x; r28 is committed
+    "MAPL r58 pca": {"boundary.kind": "mapl", "boundary.rank": 58, "boundary.init": "pca", "diag.every": 0},  # ~10x; r28 is committed
     # 3b-1b ended +1.08% at 10.9x: the forward's bytes on bits instead of scales and fp32 channels
     "Outlier 4b-1b tok": outlier(4, 1, per_token=True),
     "Outlier 3b-1b tok": outlier(3, 1, per_token=True),

@@ -195,8 +195,10 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         **extras, "val_points": val_points,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    dash.log({"step": t.steps, "val_loss": final_val})
-    dash.summary(summary, t.steps)
+    # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
+    # belongs to the last row's step
+    dash.log({"step": t.steps - 1, "val_loss": final_val})
+    dash.summary(summary, t.steps - 1)
     dash.close()
     b_cfg = cfg.boundary
     plot_losses(metrics, val_points, out / "loss.png",
