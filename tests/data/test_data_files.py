@@ -120,6 +120,17 @@ def test_a_malformed_row_names_its_file_and_line(tmp_path, line, why):
     assert str(e.value).startswith(f"{path}:3: ")
 
 
+def test_bytes_that_are_not_utf8_or_parquet_are_one_line_errors(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text"):
+        list(read_rows(path))
+    fake = tmp_path / "fake.parquet"
+    fake.write_bytes(b"not parquet at all")
+    with pytest.raises(DataError, match="not a readable Parquet file"):
+        list(read_rows(fake))
+
+
 def test_skip_bad_rows_counts_and_lists_them(tmp_path, capsys):
     path = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"q{i}", "response": f"a{i}"} for i in range(8)]
                         + ["{broken", {"text": 3}])

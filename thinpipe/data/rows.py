@@ -106,26 +106,28 @@ def parse_row(obj, where: str) -> Row:
 def _records(f: Path) -> Iterator[tuple[str, object]]:
     """(where, decoded record) of one file, streamed."""
     if f.suffix == ".jsonl":
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
+        with open(f, "rb") as fh:  # bytes, so that a line that is not UTF-8 is named like any bad row
+            for n, raw in enumerate(fh, 1):
+                if not raw.strip():
                     continue
                 try:
-                    yield f"{f}:{n}", json.loads(line)
+                    yield f"{f}:{n}", json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError as e:
+                    yield f"{f}:{n}", DataError(f"{f}:{n}: not UTF-8 text (byte {e.start + 1} of the line): save the "
+                                                "file as UTF-8")
                 except json.JSONDecodeError as e:
                     yield f"{f}:{n}", DataError(f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})")
         return
     import pyarrow.parquet as pq
 
-    try:
-        table = pq.ParquetFile(f)
-    except Exception as e:  # pyarrow raises several kinds for a file that is not Parquet
-        raise DataError(f"{f}: not a readable Parquet file ({e})") from None
     n = 0
-    for batch in table.iter_batches(batch_size=1024):
-        for rec in batch.to_pylist():
-            n += 1
-            yield f"{f}:row {n}", rec
+    try:  # pyarrow raises several kinds for a file that is not Parquet or is damaged
+        for batch in pq.ParquetFile(f).iter_batches(batch_size=1024):
+            for rec in batch.to_pylist():
+                n += 1
+                yield f"{f}:row {n}", rec
+    except (OSError, ValueError, TypeError) as e:
+        raise DataError(f"{f}: not a readable Parquet file after row {n} ({e})") from None
 
 
 def read_rows(path: str | Path, skip_bad_rows: bool = False, skipped: list | None = None) -> Iterator[Row]:
