@@ -105,8 +105,11 @@ def test_wandb_and_trackio_get_the_same_scalars_when_installed(tmp_path, monkeyp
     logged = {"wandb": [], "trackio": []}
 
     class Run:
-        def log(self, values, step):
-            logged["wandb"].append((step, values))
+        def define_metric(self, name, **kw):
+            pass
+
+        def log(self, values):
+            logged["wandb"].append((values.pop("thinpipe/step"), values))
 
         def finish(self):
             logged["wandb"].append("finished")
@@ -127,6 +130,9 @@ def test_wandb_and_trackio_get_the_same_scalars_when_installed(tmp_path, monkeyp
     d = Dashboards(cfg, tmp_path, 0)
     d.log({"step": 3, "loss": 1.5, "diag": {"cos": 0.5}, "flag": True})
     d.close()
+    run_id = (tmp_path / "wandb" / "thinpipe_run_id").read_text()
+    from thinpipe.dashboards import _wandb_id
+    assert _wandb_id(tmp_path, 5) == run_id and _wandb_id(tmp_path, 0) != run_id  # resume continues, a new run not
     assert logged["wandb"] == ["offline", (3, {"loss": 1.5, "diag/cos": 0.5}), "finished"]
     assert logged["trackio"] == [(3, {"loss": 1.5, "diag/cos": 0.5}), "finished"]
 

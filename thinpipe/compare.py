@@ -3,7 +3,8 @@
 One table (held-out loss at its best and at the end, bytes per token per axis, PP compression
 against the dense run among them, tokens/s) and, with ``--out``, ``compare.json`` and
 ``compare.png``: held-out loss against step and against the PP bytes sent so far (log scale).
-A run still training is compared from its ``metrics.jsonl`` (marked "running").
+A run still training is compared from its ``metrics.jsonl`` (marked "running"; its "vs dense" is
+then at a different step than a finished run's).
 """
 
 from __future__ import annotations
@@ -66,9 +67,9 @@ def compare(folders: list[str | Path]) -> dict:
         raise ConfigError("thinpipe compare needs at least one run folder")
     runs = [load(f) for f in folders]
     dense = next((r for r in runs if r["dense"]), None)
-    for r in runs:
+    for r in runs:  # no ratio where either sends no PP bytes (mesh.pp = 1)
         r["pp_compression"] = (dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]
-                               if dense and r["pp_bytes_per_token"] else None)
+                               if dense and dense["pp_bytes_per_token"] and r["pp_bytes_per_token"] else None)
         r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense else None
     return {"dense": dense["run"] if dense else None, "runs": runs}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from thinpipe.config import Config, ConfigError
 
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}
+WANDB_STEP = "thinpipe/step"  # the x axis of every W&B chart: the metrics row's step
 
 
 def check_installed(cfg: Config) -> None:
@@ -52,8 +53,12 @@ class Dashboards:
 
             mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
             run = wandb.init(project=cfg.log.project, name=name, dir=str(out), config=cfg.to_dict(), mode=mode,
-                             resume="allow")
-            self.sinks.append(_Callable(lambda s, step: run.log(s, step=step), run.finish))
+                             id=_wandb_id(Path(out), start_step), resume="allow")
+            # our step as the x axis: W&B's own step only grows, so a rolled-back run's redone steps
+            # would be dropped if they were logged as its step
+            run.define_metric(WANDB_STEP)  # ("step" itself is W&B's reserved name: it would be dropped)
+            run.define_metric("*", step_metric=WANDB_STEP)
+            self.sinks.append(_Callable(lambda s, step: run.log({**s, WANDB_STEP: step}), run.finish))
         if cfg.log.trackio:
             import trackio
 
@@ -88,6 +93,18 @@ class Dashboards:
         self.sinks = []
 
 
+def _wandb_id(out: Path, start_step: int) -> str:
+    """The W&B run id of this run folder: a resumed run (start_step > 0) continues the same W&B run."""
+    import uuid
+
+    path = out / "wandb" / "thinpipe_run_id"
+    if start_step and path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text()
+
+
 class _TensorBoard:
     def __init__(self, folder: Path, start_step: int):
         self.folder = folder
@@ -119,7 +136,7 @@ class _Callable:
         self._log(values, step)
 
     def rewind(self, step: int) -> None:
-        pass  # W&B and trackio keep the redone steps as logged (their step axis is append-only)
+        pass  # the redone steps are logged again at their step (W&B: the WANDB_STEP metric; trackio: step=)
 
     def close(self) -> None:
         self._finish()

@@ -75,8 +75,20 @@ def test_chatml_single_turn_is_the_papers_format_and_multi_turn_masks_every_assi
 def test_none_format_has_no_markers_and_ends_assistant_turns_with_eos():
     tok = tokenizer("llama3")
     ids, mask = tokenize_messages(tok, MULTI[1:3], "none")
-    assert tok.decode(ids) == "What is 2+2?It is 4.<|eot_id|>"
+    assert tok.decode(ids) == "<|begin_of_text|>What is 2+2?It is 4.<|eot_id|>"  # the tokenizer's BOS first
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "It is 4.<|eot_id|>"
+
+
+def test_an_answer_token_straddling_the_generation_prompt_is_learned_and_bos_leads_chatml():
+    tok = tokenizer("llama3")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'].upper() + ': ' + m['content'] + '\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+    ids, mask = tokenize_messages(tok, MULTI[1:3], "template")
+    assert tok.decode([i for i, m in zip(ids, mask) if m]).strip() == "It is 4.\n".strip()  # " It" counts
+    with pytest.raises(ConfigError, match="starts with an assistant turn"):
+        tokenize_messages(tok, MULTI[2:3], "template")
+    ids, mask = tokenize_messages(tokenizer("llama3"), MULTI[1:3], "chatml")  # a BOS-adding tokenizer
+    assert ids[0] == tokenizer("llama3").bos_token_id and not mask[0]
 
 
 def test_a_template_that_rewrites_earlier_turns_is_refused():
@@ -141,6 +153,13 @@ def test_skip_bad_rows_counts_and_lists_them(tmp_path, capsys):
         build_dataset(str(path), ByteTokenizer(), 64, "train", 1, val_fraction=0.0)
 
 
+def test_null_fields_count_as_absent_in_mixed_parquet(tmp_path):
+    pq.write_table(pa.Table.from_pylist([{"text": "plain", "messages": None},
+                                         {"text": None, "messages": MULTI[1:3]}]), tmp_path / "mixed.parquet")
+    got = list(read_rows(tmp_path / "mixed.parquet"))
+    assert got[0].text == "plain" and got[1].messages == tuple(MULTI[1:3])
+
+
 def test_missing_and_wrong_paths_are_one_line_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         build_dataset(str(tmp_path / "nope.jsonl"), ByteTokenizer(), 64, "train", 0)
@@ -165,11 +184,17 @@ def test_held_out_fraction_is_seeded_disjoint_and_complete(tmp_path):
                    for i in range(200))
     again = build_dataset(path, tok, 64, "val", 0, val_fraction=0.2)
     assert torch.equal(again.input_ids, va.input_ids)
-    other = build_dataset(path, tok, 64, "val", 1, val_fraction=0.2)
-    assert not torch.equal(other.input_ids[:4], va.input_ids[:4]) or len(other) != len(va)
+    other = build_dataset(path, tok, 64, "val", 1, val_fraction=0.2)  # another train.seed: the same held-out rows
+    assert texts(other) == texts(va)
     vfile = str(_write_jsonl(tmp_path / "v.jsonl", rows[:5]))
     assert build_dataset(path, tok, 64, "val", 0, val_name=vfile).stats["num_packed"] == 5
     assert build_dataset(path, tok, 64, "train", 0, val_name=vfile).stats["num_packed"] == 200
+    # a held-out file inside the training folder is not trained on; a copy in a hidden folder is not read
+    (tmp_path / ".ipynb_checkpoints").mkdir()
+    _write_jsonl(tmp_path / ".ipynb_checkpoints" / "d-checkpoint.jsonl", rows)
+    assert build_dataset(str(tmp_path), tok, 64, "train", 0, val_name=vfile).stats["num_packed"] == 200
+    with pytest.raises(DataError, match="also the held-out data"):
+        build_dataset(vfile, tok, 64, "train", 0, val_name=vfile)
 
 
 def test_text_rows_train_on_every_token_but_the_first(tmp_path):

@@ -43,8 +43,8 @@ class DataConfig:
     val_name: str = ""
     """A user's files: held-out rows from this file or folder (same formats); empty = ``val_fraction``."""
     val_fraction: float = 0.05
-    """A user's files without ``val_name``: each row is held out with this probability (seeded by
-    ``train.seed``, the same rows every run). Ignored for built-in corpora (their splits are fixed)."""
+    """A user's files without ``val_name``: each row is held out with this probability (a fixed
+    per-row coin: the same rows for every run and seed). Ignored for built-in corpora (fixed splits)."""
     chat_format: str = "auto"
     """How chat rows become tokens: ``template`` (the tokenizer's own chat template), ``chatml``
     (ChatML markers, no injected system prompt), ``none`` (no markers), ``auto`` (the template,

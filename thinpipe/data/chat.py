@@ -5,7 +5,8 @@ system metadata (App. B.2 / C.1, App. I.1) and computes the loss on assistant to
 (App. I.3). A user's own data may be multi-turn and their model may speak another format, so
 there are four ways to render a conversation:
 
-- ``chatml``: ChatML markers, no injected system turn (the paper's; SmolLM2-Instruct's markers)::
+- ``chatml``: ChatML markers, no injected system turn (the paper's; SmolLM2-Instruct's markers),
+  after the tokenizer's BOS when it adds one (none for SmolLM2)::
 
       <|im_start|>user\\n{prompt}<|im_end|>\\n<|im_start|>assistant\\n   <- mask False
       {response}<|im_end|>\\n                                         <- mask True
@@ -17,10 +18,12 @@ there are four ways to render a conversation:
   conversation is rendered once and tokenized once (exactly the ids ``apply_chat_template``
   gives); an assistant turn's span is the text the template adds when that turn is appended to the
   conversation so far with its generation prompt (``render(msgs[:i+1]) - render(msgs[:i], gen)``,
-  which holds the template's end-of-turn marker), and a token is in the loss when its first
-  character lies in such a span (offset mapping). A template that rewrites earlier turns (so that
-  those renders are not prefixes of each other) is refused with a clear error.
-- ``none``: the turns' text back to back, no markers; the tokenizer's EOS after each assistant turn.
+  which holds the template's end-of-turn marker), and a token is in the loss when it starts in or
+  overlaps such a span (offset mapping). A template that rewrites earlier turns (so that those
+  renders are not prefixes of each other), and a conversation opening with an assistant turn, are
+  refused with a clear error.
+- ``none``: the turns' text back to back, no markers (after the tokenizer's BOS, if any); the
+  tokenizer's EOS after each assistant turn.
 - ``auto`` (default): ``template`` when the tokenizer has one, except for ChatML models (the tokenizer
   has ``<|im_start|>`` as a special token: SmolLM2, Qwen2), whose templates are ChatML plus a default
   system prompt ("You are a helpful AI assistant named SmolLM...") that would cost tokens in every
@@ -84,9 +87,15 @@ def resolve_chat_format(tokenizer, choice: str) -> str:
 
 
 # ---------------------------------------------------------------- the three renderings
+def _bos(tokenizer) -> list[int]:
+    """What the tokenizer puts before a document (Llama's, Mistral's BOS; nothing for SmolLM2 and
+    the byte tokenizer): the chatml and none formats start with it, outside the loss."""
+    return [i for i in tokenizer.encode("", add_special_tokens=True)][:1]
+
+
 def _chatml(tokenizer, messages) -> tuple[list[int], list[bool]]:
-    ids: list[int] = []
-    mask: list[bool] = []
+    ids: list[int] = _bos(tokenizer)
+    mask: list[bool] = [False] * len(ids)
     pending = ""  # text outside the loss, tokenized in one piece (single turn == tokenize_chat)
     for m in messages:
         pending += f"{IM_START}{m['role']}\n"
@@ -107,8 +116,8 @@ def _chatml(tokenizer, messages) -> tuple[list[int], list[bool]]:
 
 def _none(tokenizer, messages) -> tuple[list[int], list[bool]]:
     eos = getattr(tokenizer, "eos_token_id", None)
-    ids: list[int] = []
-    mask: list[bool] = []
+    ids: list[int] = _bos(tokenizer)
+    mask: list[bool] = [False] * len(ids)
     for m in messages:
         t = _encode(tokenizer, m["content"])
         loss = m["role"] == "assistant"
@@ -130,7 +139,10 @@ def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], True) if i else ""
+        if not i:
+            raise ConfigError("the conversation starts with an assistant turn: the template's opening (BOS, header) "
+                              "would be learned as the answer; start with a user (or system) turn")
+        before = _render(tokenizer, messages[:i], True)
         upto = _render(tokenizer, messages[:i + 1], False)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise ConfigError("this tokenizer's chat template does not render a conversation's turns as prefixes of "
@@ -148,7 +160,9 @@ def _template(tokenizer, messages) -> tuple[list[int], list[bool]]:
         raise ConfigError("data.chat_format = template needs a fast tokenizer (one with offset mappings): use "
                           "chatml or none") from None
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-    mask = [any(a <= start < b for a, b in spans) for start, _ in offsets]
+    # a token is learned when its text starts in an assistant span or overlaps one (a generation
+    # prompt ending in a space: the answer's first token "ĠThe" starts one character early)
+    mask = [any(a <= st < b or (st < b and en > a) for a, b in spans) for st, en in offsets]
     return ids, mask
 
 

@@ -50,7 +50,8 @@ def data_files(path: str | Path) -> list[Path]:
             raise DataError(f"{p}: not a .jsonl or .parquet file; give JSONL (one JSON object per line) or Parquet")
         return [p]
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES)
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in SUFFIXES
+                       and not any(part.startswith(".") for part in f.relative_to(p).parts))  # no .ipynb_checkpoints
         if not files:
             raise DataError(f"{p}: the folder holds no .jsonl or .parquet files")
         return files
@@ -74,6 +75,7 @@ def parse_row(obj, where: str) -> Row:
     """A checked ``Row`` from one decoded record; ``DataError`` naming ``where`` otherwise."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: a row must be a JSON object, got {type(obj).__name__}")
+    obj = {k: v for k, v in obj.items() if v is not None}  # a Parquet column another row format fills
     if "messages" in obj:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs:
@@ -130,10 +132,19 @@ def _records(f: Path) -> Iterator[tuple[str, object]]:
         raise DataError(f"{f}: not a readable Parquet file after row {n} ({e})") from None
 
 
-def read_rows(path: str | Path, skip_bad_rows: bool = False, skipped: list | None = None) -> Iterator[Row]:
+def read_rows(path: str | Path, skip_bad_rows: bool = False, skipped: list | None = None,
+              exclude: list[Path] = ()) -> Iterator[Row]:
     """The checked rows of a data path, in file order. With ``skip_bad_rows`` a malformed row is left
-    out and its error message appended to ``skipped``; without it, the first one raises."""
-    for f in data_files(path):
+    out and its error message appended to ``skipped``; without it, the first one raises. Files in
+    ``exclude`` (the held-out files, when they sit inside a training folder) are not read; naming
+    only held-out files is an error."""
+    files = data_files(path)
+    held = {Path(x).resolve() for x in exclude}
+    files = [f for f in files if f.resolve() not in held]
+    if not files:
+        raise DataError(f"{path}: every file there is also the held-out data (data.val_name): give training files "
+                        "that are not the held-out ones")
+    for f in files:
         for where, rec in _records(f):
             try:
                 if isinstance(rec, DataError):

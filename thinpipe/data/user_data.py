@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from thinpipe.config import ConfigError
 from thinpipe.log import say
 
 from .chat import resolve_chat_format, tokenize_messages, tokenize_text
@@ -48,19 +49,24 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((core + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
-def in_val(seed: int, ordinal: int, fraction: float) -> bool:
-    """Row ``ordinal`` of the training files is held out: a seeded, per-row coin with P = fraction."""
-    d = hashlib.sha256(f"thinpipe-val:{seed}:{ordinal}".encode()).digest()
+SPLIT_SEED = 0  # the held-out coin does not follow train.seed: runs of any seed (and --init-from chains on
+               # one file) are scored on the same held-out rows
+
+
+def in_val(ordinal: int, fraction: float) -> bool:
+    """Row ``ordinal`` of the training files is held out: a fixed per-row coin with P = fraction."""
+    d = hashlib.sha256(f"thinpipe-val:{SPLIT_SEED}:{ordinal}".encode()).digest()
     return int.from_bytes(d[:8], "little") / 2**64 < fraction
 
 
 def _split_rows(path: str, split: str, seed: int, val_name: str, val_fraction: float, skip: bool,
                 skipped: list) -> Iterator[Row]:
     if val_name:
-        yield from read_rows(val_name if split == "val" else path, skip, skipped)
+        yield from read_rows(val_name, skip, skipped) if split == "val" else read_rows(path, skip, skipped,
+                                                                                        exclude=data_files(val_name))
         return
     for k, row in enumerate(read_rows(path, skip, skipped)):
-        if in_val(seed, k, val_fraction) == (split == "val"):
+        if in_val(k, val_fraction) == (split == "val"):
             yield row
 
 
@@ -74,7 +80,7 @@ def _tokenized(rows: Iterator[Row], tokenizer, fmt: str, skip: bool,
             continue
         try:
             yield tokenize_messages(tokenizer, row.messages, fmt)
-        except TemplateError as e:  # e.g. Mistral's template refuses a system turn
+        except (TemplateError, ConfigError) as e:  # e.g. Mistral's template refuses a system turn
             err = DataError(f"{row.where}: the model's chat template refuses this conversation ({e}): fix the row, "
                             "set data.chat_format = chatml, or data.skip_bad_rows = true")
             if not skip:
@@ -112,6 +118,17 @@ def _write_packed(docs: Iterator, seq_len: int, pad_id: int, seed: int, folder: 
     return stats
 
 
+def _complete(folder: Path) -> bool:
+    """A cache folder whose row files hold every row its meta.json announces (a power cut after the
+    rename could leave a short file: such a cache is rebuilt, never trusted)."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        size = meta["stats"]["num_rows"] * meta["seq_len"] * 4
+        return all((folder / f"{a}.bin").stat().st_size == size for a in ARRAYS)
+    except (OSError, ValueError, KeyError):
+        return False
+
+
 def load_packed(folder: Path) -> PackedDataset:
     """A packed cache as memory-mapped int32 tensors (copy-on-write: nothing writes back to the file)."""
     meta = json.loads((folder / "meta.json").read_text())
@@ -131,11 +148,12 @@ def build_file_dataset(path: str, tokenizer, seq_len: int, split: str, seed: int
         "format": CACHE_FORMAT, "data": content_hash(data_files(path)),
         "val": content_hash(data_files(val_name)) if val_name else None, "tokenizer": tokenizer_fingerprint(tokenizer),
         "chat_format": fmt, "seq_len": seq_len, "split": split, "seed": seed, "max_examples": max_examples,
-        "val_fraction": None if val_name else val_fraction, "skip_bad_rows": skip_bad_rows, "pad": pad_id,
+        "val_fraction": None if val_name else val_fraction, "split_seed": SPLIT_SEED, "skip_bad_rows": skip_bad_rows, "pad": pad_id,
     }).encode()).hexdigest()[:24]
     folder = cache_dir() / "packed" / key
-    if (folder / "meta.json").is_file():
+    if _complete(folder):
         return load_packed(folder)
+    shutil.rmtree(folder, ignore_errors=True)
     skipped: list[str] = []
     rows = _split_rows(path, split, seed, val_name, val_fraction, skip_bad_rows, skipped)
     if max_examples:
