@@ -27,7 +27,8 @@ def load(folder: str | Path) -> dict:
     """One run's comparable numbers (finished: summary.json; running: its metrics so far)."""
     folder = Path(folder)
     if not (folder / "config.toml").is_file():
-        raise ConfigError(f"{folder} is not a thinpipe run folder (no config.toml): give --out folders of `thinpipe train`")
+        raise ConfigError(f"{folder} is not a thinpipe run folder (no config.toml): give --out folders of "
+                          "`thinpipe train`")
     cfg = tomllib.loads((folder / "config.toml").read_text())
     rows = _rows(folder)
     done = (folder / "summary.json").is_file()

@@ -2,7 +2,8 @@
 
 Each takes exactly the scalars of ``metrics.jsonl`` under the same names (a nested dict such as
 ``diag`` or ``captured_energy`` is flattened with "/"), at the row's step, and at the last step the
-final held-out loss (``val_loss``) and the summary's numbers as ``summary/...``; ``metrics.jsonl`` stays the record, the dashboards are views.
+final held-out loss (``val_loss``) and the summary's numbers as ``summary/...``; ``metrics.jsonl``
+stays the record, the dashboards are views.
 None is a dependency: a sink that is asked for and not installed is one clear error before training.
 """
 
@@ -83,7 +84,8 @@ class Dashboards:
             sink.rewind(step)
 
     def summary(self, summary: dict, step: int) -> None:
-        values = {f"summary/{k}": v for k, v in scalars({k: v for k, v in summary.items() if k != "val_points"}).items()}
+        numbers = scalars({k: v for k, v in summary.items() if k != "val_points"})
+        values = {f"summary/{k}": v for k, v in numbers.items()}
         for sink in self.sinks:
             sink.log(values, step)
 

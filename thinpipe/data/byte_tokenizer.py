@@ -90,7 +90,8 @@ class ByteTokenizer:
         import json
         from pathlib import Path
 
-        (Path(folder) / MARKER).write_text(json.dumps({"tokenizer": "thinpipe.ByteTokenizer", "vocab_size": 512}) + "\n")
+        marker = {"tokenizer": "thinpipe.ByteTokenizer", "vocab_size": 512}
+        (Path(folder) / MARKER).write_text(json.dumps(marker) + "\n")
 
     def convert_tokens_to_ids(self, token: str) -> int:
         """Id of a special token (HF-compatible name); ValueError for anything else."""

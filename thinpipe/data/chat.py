@@ -146,8 +146,8 @@ def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
         upto = _render(tokenizer, messages[:i + 1], False)
         if not (upto.startswith(before) and full.startswith(upto)):
             raise ConfigError("this tokenizer's chat template does not render a conversation's turns as prefixes of "
-                              "each other (it rewrites earlier turns), so the assistant tokens cannot be found exactly: "
-                              "use data.chat_format = chatml or none")
+                              "each other (it rewrites earlier turns), so the assistant tokens cannot be found "
+                              "exactly: use data.chat_format = chatml or none")
         spans.append((len(before), len(upto)))
     return full, spans
 

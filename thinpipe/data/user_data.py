@@ -148,12 +148,14 @@ def build_file_dataset(path: str, tokenizer, seq_len: int, split: str, seed: int
         "format": CACHE_FORMAT, "data": content_hash(data_files(path)),
         "val": content_hash(data_files(val_name)) if val_name else None, "tokenizer": tokenizer_fingerprint(tokenizer),
         "chat_format": fmt, "seq_len": seq_len, "split": split, "seed": seed, "max_examples": max_examples,
-        "val_fraction": None if val_name else val_fraction, "split_seed": SPLIT_SEED, "skip_bad_rows": skip_bad_rows, "pad": pad_id,
+        "val_fraction": None if val_name else val_fraction, "split_seed": SPLIT_SEED,
+        "skip_bad_rows": skip_bad_rows, "pad": pad_id,
     }).encode()).hexdigest()[:24]
     folder = cache_dir() / "packed" / key
     if _complete(folder):
         return load_packed(folder)
-    shutil.rmtree(folder, ignore_errors=True)
+    if folder.exists() and not _complete(folder):  # damaged (checked again: a dist rank may just have finished it)
+        shutil.rmtree(folder, ignore_errors=True)
     skipped: list[str] = []
     rows = _split_rows(path, split, seed, val_name, val_fraction, skip_bad_rows, skipped)
     if max_examples:
