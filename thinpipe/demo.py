@@ -19,6 +19,7 @@ against step and against PP bytes sent).
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
     (out / "demo_summary.json").write_text(json.dumps({"base": base, "arms": ARMS, "results": results}, indent=2))
     (out / "compare.json").write_text(json.dumps(side_by_side, indent=2))
     plot(side_by_side, out / "demo_loss.png")
-    again = " ".join(str(out / name) for name in ARMS)
+    again = " ".join(shlex.quote(str(out / name)) for name in ARMS)
     print(f"total {time.perf_counter() - t0:.0f} s; results in {out}/ (`thinpipe compare {again}` shows this table again)")
     return 0
 
