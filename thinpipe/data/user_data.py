@@ -143,10 +143,11 @@ def build_file_dataset(path: str, tokenizer, seq_len: int, split: str, seed: int
                        pad_id: int) -> PackedDataset:
     """The packed rows of one split of a user's files (module doc); cached by content."""
     fmt = resolve_chat_format(tokenizer, chat_format)
-    sources = data_files(path) + (data_files(val_name) if val_name else [])
+    train_files, val_files = data_files(path), data_files(val_name) if val_name else []
+    sources = train_files + val_files
     key = hashlib.sha256(json.dumps({
-        "format": CACHE_FORMAT, "data": content_hash(data_files(path)),
-        "val": content_hash(data_files(val_name)) if val_name else None, "tokenizer": tokenizer_fingerprint(tokenizer),
+        "format": CACHE_FORMAT, "data": content_hash(train_files),
+        "val": content_hash(val_files) if val_name else None, "tokenizer": tokenizer_fingerprint(tokenizer),
         "chat_format": fmt, "seq_len": seq_len, "split": split, "seed": seed, "max_examples": max_examples,
         "val_fraction": None if val_name else val_fraction, "split_seed": SPLIT_SEED,
         "skip_bad_rows": skip_bad_rows, "pad": pad_id,
