@@ -16,7 +16,7 @@ LAYERS = [
     ["thinpipe.log", "thinpipe.plugins"],                                                # foundation
     ["thinpipe.config"],
     ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes, checkpoint files,
-     "thinpipe.dashboards"],                                          # dashboards
+     "thinpipe.dashboards", "thinpipe.events"],                       # dashboards, an elastic job's events
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],                                # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
     ["thinpipe.boundary"],                                                               # the boundary contract
@@ -24,10 +24,11 @@ LAYERS = [
      "thinpipe.engine.rank", "thinpipe.engine.diagnostics", "thinpipe.engine.passes", "thinpipe.engine.setup"],
     ["thinpipe.anchor"],                                                                 # the anchor circuit
     ["thinpipe.engine.sim", "thinpipe.engine.sim_engine",  # runners
-     "thinpipe.engine.dist", "thinpipe.engine.run", "thinpipe.engine"],
+     "thinpipe.engine.dist", "thinpipe.engine.elastic", "thinpipe.engine.run", "thinpipe.engine"],
     ["thinpipe.runs"],                                                                   # run folders
     ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.compare",
      "thinpipe.preflight"],  # commands
+    ["thinpipe.launch_elastic"],                                                         # uses launch's helpers
     ["thinpipe.demo"],                                                                   # runs train + compare
     ["thinpipe.bench"],                                                                  # runs plan + launch
     ["thinpipe.cli"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
-    claim_out(Path(args.out), args.resume, args.overwrite)
+    if args.engine != "elastic":  # an elastic job's folder is its launcher's to claim (replicas write sub-folders)
+        claim_out(Path(args.out), args.resume, args.overwrite)
     if args.init_from:
         from thinpipe.runs import init_weights
 
@@ -29,6 +31,20 @@ def cmd_train(args) -> int:
         cfg.model.init_from = str(Path(args.init_from).resolve())
         cfg.model.name = str(init_weights(args.init_from, Path(args.out) / "init"))
     validate_names(cfg)
+    if args.engine == "elastic":
+        # torchft is needed only here (an optional dependency: pip install torchft); its Rust logger
+        # reads RUST_LOG when imported: per-quorum INFO lines off (thinpipe writes events.jsonl)
+        os.environ.setdefault("RUST_LOG", "warn")
+        from thinpipe.engine.elastic import check_elastic, replica_folder, train_elastic
+
+        check_elastic(cfg)
+        if args.resume:
+            raise ConfigError("--resume of an elastic job is not supported yet: a replica that restarts recovers from a "
+                              "live peer; start the job again with another --out (or --overwrite)")
+        summary = train_elastic(cfg, args.out, progress=not args.quiet)
+        if summary is not None:
+            print_summary(summary, replica_folder(Path(args.out), summary["replica"], summary["restart"]))
+        return 0
     if args.engine == "dist":
         from thinpipe.engine.dist import check_supported, train_dist
         from thinpipe.engine.run import resolve_resume
@@ -51,6 +67,17 @@ def cmd_launch(args) -> int:
     in its own network namespace (``--netns``, kernel-shaped links)."""
     from thinpipe.launch import launch
 
+    if args.elastic:
+        os.environ.setdefault("RUST_LOG", "warn")  # as in cmd_train, before torchft is imported
+        from thinpipe.launch_elastic import launch_elastic
+
+        if args.netns:
+            raise ConfigError("--elastic does not run in network namespaces yet: drop --netns (or --elastic)")
+        if args.max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+        return launch_elastic(args.rest, args.max_restarts, nproc=args.nproc)
+    if args.nproc is None:
+        raise ConfigError("thinpipe launch needs --nproc N (N = (mesh.dp + mesh.anchor) x mesh.pp)")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
     return launch(args.nproc, args.rest, netns=args.netns)
@@ -284,12 +311,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.add_argument("--init-from", metavar="RUN_OR_HF_FOLDER", help="start from these weights (a run folder or a Hugging "
                    "Face folder), with a fresh optimizer and schedule: a second phase, e.g. SFT after pretraining")
-    t.add_argument("--engine", choices=["sim", "dist"], default="sim",
-                   help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun)")
+    t.add_argument("--engine", choices=["sim", "dist", "elastic"], default="sim",
+                   help="sim: the whole mesh in this process (default); dist: this process is one rank (torchrun); "
+                        "elastic: one stage of replica $REPLICA_GROUP_ID on torchft (thinpipe launch --elastic)")
     t.set_defaults(func=cmd_train)
 
     la = sub.add_parser("launch", help="run a dist training job as N local processes")
-    la.add_argument("--nproc", type=int, required=True, help="processes = (mesh.dp + mesh.anchor) x mesh.pp")
+    la.add_argument("--nproc", type=int, help="processes = (mesh.dp + mesh.anchor) x mesh.pp (with --elastic: "
+                                              "optional, mesh.dp x mesh.pp)")
+    la.add_argument("--elastic", action="store_true", help="replicas that may fail and come back (torchft): a "
+                    "lighthouse, one torch.distributed world per replica, dead replicas restarted (docs/elastic.md)")
+    la.add_argument("--max-restarts", type=int, default=3, help="with --elastic: restarts per replica (default 3)")
     la.add_argument("--netns", action="store_true",
                     help="each rank in its own network namespace, link.pp_mbps / link.dp_mbps enforced by the "
                          "kernel (tc); Linux, root")

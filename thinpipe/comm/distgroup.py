@@ -66,7 +66,7 @@ class DistGroup:
         if self.size == 1:
             return _Done()
         host = to_host(tensor)
-        work = dist.all_reduce(host, group=self.group, async_op=True)
+        work = self._post_sum(host)
         if host is not tensor:
             work = StagedWork(work, host, tensor)
         if not self.rate_mbps and not self.latency_ms:
@@ -74,6 +74,10 @@ class DistGroup:
         start = max(time.perf_counter(), self._free_at)
         self._free_at = start + (nbytes * 8 / (self.rate_mbps * 1e6) if self.rate_mbps else 0.0)
         return _Timed(work, self._free_at + 2 * (self.size - 1) * self.latency_ms / 1e3)
+
+    def _post_sum(self, host: torch.Tensor):
+        """Post the sum of ``host`` over the group (the one call a managed group replaces)."""
+        return dist.all_reduce(host, group=self.group, async_op=True)
 
     def all_gather(self, rank: int, tensor: torch.Tensor):
         if self.axis is not None:

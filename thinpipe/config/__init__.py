@@ -6,7 +6,7 @@ validated so that a bad input fails with one clear ``ConfigError`` before any he
 
 One file per idea: ``errors`` (ConfigError), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
 [link]), ``boundary`` ([boundary]), ``train`` ([train], [train.lora], [eval], [diag]), ``dp``
-([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``aliases`` (deprecated keys) and ``root`` (Config, TOML,
+([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic`` ([elastic]), ``aliases`` (deprecated keys) and ``root`` (Config, TOML,
 overrides). Import from ``thinpipe.config``: every name is re-exported here.
 """
 
@@ -14,6 +14,7 @@ from thinpipe.config.aliases import DEPRECATED_KEYS
 from thinpipe.config.anchor import AnchorConfig, MuonConfig, OptimConfig, SpectralConfig
 from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BOUNDARY_KINDS, QUANT_BITS, BoundaryConfig
 from thinpipe.config.dp import DP_KINDS, DPConfig
+from thinpipe.config.elastic import ElasticConfig
 from thinpipe.config.errors import ConfigError, Diverged
 from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
@@ -24,6 +25,6 @@ from thinpipe.config.train import LORA_TARGETS, DiagConfig, EvalConfig, LoraConf
 __all__ = [
     "ARCHITECTURAL_KINDS", "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "QUANT_BITS",
     "AnchorConfig", "BoundaryConfig", "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig", "Diverged",
-    "EvalConfig", "LinkConfig", "LogConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig", "OptimConfig",
-    "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
+    "ElasticConfig", "EvalConfig", "LinkConfig", "LogConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig",
+    "OptimConfig", "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
 ]

@@ -21,6 +21,7 @@ from thinpipe.config.aliases import rename_deprecated
 from thinpipe.config.anchor import AnchorConfig, OptimConfig
 from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BoundaryConfig
 from thinpipe.config.dp import DPConfig
+from thinpipe.config.elastic import ElasticConfig
 from thinpipe.config.errors import ConfigError
 from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
@@ -51,6 +52,7 @@ class Config:
     diag: DiagConfig = field(default_factory=DiagConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def validate(self) -> "Config":
         _finite_numbers(self.to_dict())
@@ -70,6 +72,9 @@ class Config:
             raise ConfigError(
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
                 f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
+        if self.elastic.min_replicas > self.mesh.dp:
+            raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
+                              "(the job's replicas): lower it or raise mesh.dp")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -81,9 +81,11 @@ class RankSetup:
     device: torch.device    # where this rank computes
 
     @staticmethod
-    def build(cfg: Config) -> RankSetup:
+    def build(cfg: Config, layout: MeshLayout | None = None) -> RankSetup:
+        """``layout``: the processes of this torch.distributed world (default: the whole mesh; an
+        elastic replica's world is its own pipeline row, ``engine/elastic.py``)."""
         t, m = cfg.train, cfg.mesh
-        layout = MeshLayout(m.dp, m.pp, m.anchor)
+        layout = layout or MeshLayout(m.dp, m.pp, m.anchor)
         layout.check_world(dist.get_world_size())
         role = layout.role(dist.get_rank())
         device = place(cfg, local_rank())
@@ -137,8 +139,13 @@ def agreed_set(folder: Path, rank: int, world_size: int) -> tuple[int, dict]:
 class DistEngine:
     """A fast rank of the real mesh, as an engine of the run loop (``run.py``)."""
 
-    def __init__(self, r: RankSetup):
+    def __init__(self, r: RankSetup, data_replica: int | None = None, make_dp_group=None):
+        """``data_replica``: the replica whose data shard and mask streams this rank uses (default its
+        role's; an elastic replica's world numbers its only row 0); ``make_dp_group(meter)``: its
+        stage's DP group (default the mesh's ``DistGroup``; an elastic replica's is torchft's,
+        ``comm/managed.py``)."""
         cfg, m, s = r.cfg, r.cfg.mesh, r.role.stage
+        self.data_replica = r.role.replica if data_replica is None else data_replica
         self.cfg, self.layout, self.role, self.groups = cfg, r.layout, r.role, r.groups
         self.stage, self.bounds, self.train_ds, self.val_ds, self.actions = r.stage, r.bounds, r.train_ds, r.val_ds, r.actions
         self.rank, self.world_size, self.device = r.role.rank, r.layout.world_size, r.device
@@ -149,8 +156,9 @@ class DistEngine:
         self.in_b = r.bounds[s - 1] if s else None
         self.out_b = r.bounds[s] if s < m.pp - 1 else None
         links = r.links
-        self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport,
-                            DistGroup(self.groups.dp[s], m.dp, self.meter, "dp", links.dp_mbps, links.dp_latency_ms),
+        dp_group = (make_dp_group(self.meter) if make_dp_group else
+                    DistGroup(self.groups.dp[s], m.dp, self.meter, "dp", links.dp_mbps, links.dp_latency_ms))
+        self.rk = StageRank(cfg, self.stage, self.role.replica, self.in_b, self.out_b, self.transport, dp_group,
                             DistGroup(self.groups.pp[self.role.replica], m.pp, self.meter, None),
                             DTYPES[cfg.train.dtype])
         self.feed = (anchor_feed(cfg, self.stage, self.role.replica, self.layout, self.rank, self.groups, self.meter,
@@ -186,37 +194,55 @@ class DistEngine:
                 if b is not None and b.index == p:
                     b.load_init(payload)
 
+    def at_step(self, step: int) -> int:
+        return step
+
+    def tokens_seen(self, step: int) -> int:
+        t = self.cfg.train
+        return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
+
+    def next_batch(self, step: int) -> dict:
+        if self._stream is None:
+            self._stream = replica_stream(self.cfg, self.train_ds, self.data_replica, step)
+        return to_device(next(self._stream), self.device)
+
     def train_step(self, step: int) -> float:
         """This rank's share of one step; returns the step's training loss (mean over replicas)."""
+        self.compute_step(step)
+        # one collective: every fast rank's loss (the last stages') and byte meter
+        mine = self.meter.snapshot()
+        rows = self._gather([sum(self.rk.worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
+                             *(mine[a] for a in AXES)])
+        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        self._grad_norm = float(rows[0][1])  # replica 0's, as the simulation reports: every rank decides alike
+        losses = [float(rows[self.layout.grid[r][-1]][0]) for r in range(self.cfg.mesh.dp)]
+        return sum(losses) / len(losses)
+
+    def compute_step(self, step: int) -> None:
+        """The step's pipeline schedule and every phase after it (DP syncs, the optimizer step)."""
         if step == self._fault_at:
             raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
         cfg, rk = self.cfg, self.rk
-        if self._stream is None:
-            self._stream = replica_stream(cfg, self.train_ds, self.role.replica, step)
-        batch = to_device(next(self._stream), self.device)
+        batch = self.next_batch(step)
         rk.begin_step(step)
         if self.feed is not None:
             self.feed.maybe_pull(step)  # w_t: the weights this step's forward uses
-        ctxs = make_contexts(batch, cfg.train.microbatches, step, self.role.replica)
+        ctxs = make_contexts(batch, cfg.train.microbatches, step, self.data_replica)
         worker = rk.worker
         worker.losses.clear()
         with torch.enable_grad():
             for kind, mb in self.actions:
                 (worker.forward if kind == "F" else worker.backward)(ctxs[mb])
+        self.after_schedule(step)
         priors = self.feed.due(step) if self.feed is not None else []
         for phase in rk.phases(step, lr_at(cfg, step), priors, cfg.anchor.mix):
             for work in phase:
                 work.wait()
         self.transport.flush()
         self.step_index = step + 1
-        # one collective: every fast rank's loss (the last stages') and byte meter
-        mine = self.meter.snapshot()
-        rows = self._gather([sum(worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
-                             *(mine[a] for a in AXES)])
-        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
-        self._grad_norm = float(rows[0][1])  # replica 0's, as the simulation reports: every rank decides alike
-        losses = [float(rows[self.layout.grid[r][-1]][0]) for r in range(cfg.mesh.dp)]
-        return sum(losses) / len(losses)
+
+    def after_schedule(self, step: int) -> None:
+        """Between a step's pipeline schedule and its DP syncs (fault-injection point of the elastic tests)."""
 
     def grad_norm(self) -> float:
         return self._grad_norm

@@ -2,7 +2,8 @@
 
 A ``StageRank`` owns its stage module, its two boundaries, its optimizer and its DP state, and
 talks to other ranks only through a transport (point-to-point payloads) and two groups (its
-stage's DP group, its replica's PP group). Each phase of a step that talks to other ranks is a
+stage's DP group, its replica's PP group). DP averages divide by the DP group's ``size``: the
+mesh's ``dp``, or, across elastic replicas, the replicas in the current quorum. Each phase of a step that talks to other ranks is a
 generator yielding a ``Work`` whenever it has posted something others must take part in: the
 single-process simulation advances every rank's phase in lockstep (``drive_lockstep``), a real
 process runs its own phase to the end, waiting on each ``Work``. The math is identical either way.
@@ -115,7 +116,7 @@ class StageRank:
             self.out_boundary.owner_absorb_grads(self.transport.recv(ParamGrads(self.replica, self.out_boundary.index)))
 
     def dp_sync(self) -> Generator:
-        d, world = self.cfg.dp, self.cfg.mesh.dp
+        d, world = self.cfg.dp, self.dp_group.size
         if d.kind not in ("allreduce", "powersgd") or world < 2:
             return
         grads = {n: p.grad for n, p in self.stage.named_parameters() if p.grad is not None}
@@ -166,7 +167,7 @@ class StageRank:
                 p.grad.add_(grads[name], alpha=mix)
 
     def outer_steps(self, step: int) -> Generator:
-        d, world = self.cfg.dp, self.cfg.mesh.dp
+        d, world = self.cfg.dp, self.dp_group.size
         if self.diloco is not None and (step + 1) % d.inner_steps == 0:
             yield from outer_step(self.diloco, self.trained(), self.dp_group, self.replica, world,
                                   self.psgd)
@@ -185,7 +186,7 @@ class StageRank:
         """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
         d = self.cfg.dp
         gen = fragment_sync(self.streaming, f, deltas, self.trained(), self.dp_group, self.replica,
-                            self.cfg.mesh.dp, d.alpha, d.quantize, self.psgd)
+                            self.dp_group.size, d.alpha, d.quantize, self.psgd)
         try:
             work = next(gen)
         except StopIteration:
@@ -223,8 +224,8 @@ class StageRank:
 
     def refresh_average(self, step: int) -> Generator:
         """Stage 0: the sum's mean over the DP replicas."""
-        if self._refreshing(step) and self.index == 0 and self.cfg.mesh.dp > 1:
-            yield from allreduce_average(self._refresh_total.tensors, self.dp_group, self.replica, self.cfg.mesh.dp)
+        if self._refreshing(step) and self.index == 0 and self.dp_group.size > 1:
+            yield from allreduce_average(self._refresh_total.tensors, self.dp_group, self.replica, self.dp_group.size)
 
     def refresh_down(self, step: int) -> Generator:
         """Stage 0 computes the new state; it travels down; every stage applies it. Without a

@@ -38,7 +38,10 @@ class Engine(Protocol):
     world_size: int     # the mesh's processes (simulated or real)
 
     def residual_start(self) -> None: ...
-    def train_step(self, step: int) -> float: ...              # the step's mean training loss over replicas
+    def at_step(self, step: int) -> int: ...                   # the step to train next (an elastic replica may join later)
+    def train_step(self, step: int) -> float | None: ...       # the step's mean training loss over replicas; None:
+    #                                                            not committed (elastic: a replica was lost), redo it
+    def tokens_seen(self, step: int) -> int: ...               # training tokens of the whole mesh up to this step
     def grad_norm(self) -> float: ...
     def bytes_total(self) -> dict[str, int]: ...               # cumulative, whole mesh, per axis
     def validation_loss(self) -> float: ...
@@ -114,7 +117,6 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     wall0 = time.perf_counter() - (metrics[-1]["wall_s"] if metrics else 0.0)
     if not val_points:
         val_points.append((0, engine.validation_loss()))
-    tokens_per_step = t.batch_size * t.seq_len * cfg.mesh.dp
     bar = tqdm(total=t.steps, desc="train", disable=not (progress and engine.lead), initial=start, file=sys.stderr,
                dynamic_ncols=True)
     rollbacks, step = 0, start
@@ -124,14 +126,22 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     shown = {"val": f"{val_points[-1][1]:.3f}"}
     try:
         while step < t.steps:
+            joined = engine.at_step(step)  # an elastic replica that joined a running job goes on at the job's step
+            if joined != step:
+                step, bar.n = joined, joined
+                bar.refresh()
+                if step >= t.steps:
+                    break
             loss = engine.train_step(step)
+            if loss is None:  # not committed (elastic: a replica left mid-step); rolled back: the step again
+                continue
             if step == nan_at:
                 loss, nan_at = float("nan"), -1
             diverged = (None if math.isfinite(loss) and math.isfinite(engine.grad_norm()) else
                         f"loss {loss}, gradient norm {engine.grad_norm()}")
             if diverged is None:
                 b = engine.bytes_total()
-                row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": (step + 1) * tokens_per_step,
+                row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
                        "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
                        "wall_s": time.perf_counter() - wall0}
                 diag = engine.diagnostics()
@@ -185,7 +195,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     extras = engine.summary_extras()
     if not engine.lead:
         return None
-    tokens = t.steps * tokens_per_step
+    tokens = engine.tokens_seen(t.steps - 1)
     summary = {
         "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
         "initial_val_loss": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,

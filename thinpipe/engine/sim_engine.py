@@ -50,6 +50,13 @@ class SimEngine:
         if any(b.wants_residual_init for b in self.mesh.boundaries):
             self.mesh.residual_start(residual_batches(self.cfg, self.train_ds))
 
+    def at_step(self, step: int) -> int:
+        return step
+
+    def tokens_seen(self, step: int) -> int:
+        t = self.cfg.train
+        return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
+
     def train_step(self, step: int) -> float:
         mesh, cfg = self.mesh, self.cfg
         if self._streams is None:  # from the step the run starts (or resumes) at

@@ -1,0 +1,291 @@
+"""Elastic replicas on torchft: machines leave and join a running mesh (docs/elastic.md).
+
+A *replica* is one pipeline row (``mesh.pp`` stage processes) and is its own torch.distributed
+world: its stages talk to each other exactly as in ``--engine dist`` (the same ``DistEngine``,
+transport and run loop). Replicas talk to each other only through torchft: each stage's DP
+traffic goes through a ``torchft.Manager``'s reconfigurable process group (``comm/managed.py``),
+the managers agree on a *quorum* (the replicas present) through torchft's lighthouse before every
+step, and a step counts only if every rank of the replica ``should_commit``.
+
+Per step (``ElasticEngine``):
+  ``at_step``     the quorum (the first one of a new job waits for all ``mesh.dp`` replicas, up to
+                  ``elastic.start_timeout_s``); a replica behind the job's step *heals*: a live peer's
+                  stage sends its whole state (weights, optimizer, DP state, the job's counters) over
+                  ``comm/recovery.py`` and the run loop goes on at the job's step.
+  ``train_step``  a snapshot of this rank's training state, the step as ``--engine dist`` runs it with
+                  the quorum as the DP group (averages over the replicas present), one collective that
+                  tells every replica who took part and their losses and bytes, then ``should_commit``.
+                  Not committed (a replica died mid-step, a collective timed out): the snapshot comes
+                  back, the run loop redoes the step with the next quorum.
+
+With every replica present from start to end nothing differs from ``--engine dist``: the same
+sums over the same members in the same order, the same divisions (replica 0's folder equals that
+run's files, tested bitwise). A stage that dies takes its replica out (its own stages then fail in
+their torch.distributed world and exit); the launcher (``launch_elastic.py``) restarts it, and it
+heals in. Each replica writes its own run folder ``OUT/replica{r}`` (``-restart{n}`` for its n-th
+restart); quorum changes, rollbacks and recoveries go to ``OUT/events.jsonl``.
+
+Not yet: an anchor circuit, ``train.on_divergence = rollback`` and ``--resume`` of a whole stopped
+elastic job (a replica that restarts recovers from a live peer, not from disk).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torchft import Manager, ProcessGroupGloo
+
+from thinpipe.comm import AXES
+from thinpipe.comm.managed import ManagedGroup
+from thinpipe.comm.recovery import SafeTransport
+from thinpipe.comm.shaped import MeshLinks
+from thinpipe.config import Config, ConfigError
+from thinpipe.engine.dist import DistEngine, RankSetup, _held, exit_with_launcher
+from thinpipe.engine.run import run
+from thinpipe.events import append_event
+from thinpipe.log import say
+from thinpipe.mesh import MeshLayout
+
+REPLICA_ENV = "REPLICA_GROUP_ID"            # torchft's name for a replica's index
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"       # torchft's: the lighthouse's address
+RESTART_ENV = "THINPIPE_ELASTIC_RESTART"    # the launcher's: how many times this replica was restarted
+KILL_ENV = "THINPIPE_ELASTIC_KILL"          # tests and the measured run only: "replica:stage:step" SIGKILLs itself
+START_POLL_S = 0.5
+
+
+def check_elastic(cfg: Config) -> None:
+    if cfg.mesh.anchor:
+        raise ConfigError("elastic replicas do not run an anchor circuit yet: set mesh.anchor = 0, or use --engine dist")
+    if cfg.train.on_divergence == "rollback":
+        raise ConfigError("elastic replicas cannot roll back a divergence yet (each replica would go back alone): "
+                          "set train.on_divergence = stop")
+    if cfg.diag.every:
+        raise ConfigError("elastic replicas do not compute gradient diagnostics: set diag.every = 0")
+
+
+def quiet_torchft() -> None:
+    """torchft's Python side warns about NCCL on CPU ranks and logs every reconfiguration;
+    thinpipe reports membership itself (events.jsonl). Errors still show. (Its Rust side is quieted
+    by RUST_LOG=warn, which the CLI sets before torchft is imported.)"""
+    logging.getLogger("torchft").setLevel(logging.ERROR)
+
+
+def replica_folder(out: Path, replica: int, restart: int) -> Path:
+    """The run folder of one replica's processes: each restart writes a new one (nothing is overwritten)."""
+    return out / (f"replica{replica}" if restart == 0 else f"replica{replica}-restart{restart}")
+
+
+def replica_id(replica: int) -> str:
+    # fixed width: torchft orders a quorum's members by id, so replica r is r-th, as in --engine dist
+    return f"thinpipe_replica_{replica:04d}"
+
+
+class ElasticEngine(DistEngine):
+    """One stage of one elastic replica, as an engine of the run loop (``run.py``)."""
+
+    def __init__(self, r: RankSetup, replica: int, job: Path, restart: int):
+        e = r.cfg.elastic
+        timeout = datetime.timedelta(seconds=e.timeout_s)
+        self.pg = ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=e.min_replicas,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=e.quorum_timeout_s),
+            connect_timeout=datetime.timedelta(seconds=max(60.0, e.timeout_s)), rank=r.role.stage,
+            world_size=r.layout.pp, replica_id=replica_id(replica), checkpoint_transport=SafeTransport(timeout),
+            init_sync=False)  # every replica builds the same initial weights: nothing to copy at step 0
+        links = MeshLinks(r.cfg.link)
+        super().__init__(r, data_replica=replica,
+                         make_dp_group=lambda meter: ManagedGroup(self.manager, self.pg, meter, "dp", links.dp_mbps,
+                                                                  links.dp_latency_ms))
+        self.manager.register_state_dict_fn("thinpipe", self._stash_peer_state, self._peer_state)
+        self.replica, self.job, self.restart = replica, job, restart
+        self.logs = self.role.stage == 0  # one process per replica writes events
+        self._members: list[int] = []           # the replicas of the last committed step
+        self._job_bytes = {a: 0 for a in AXES}  # the whole job's bytes (replicas present), committed steps
+        self._job_tokens = 0
+        self._reported = {a: 0 for a in AXES}   # this replica's bytes already in the job's totals
+        self._restore: dict | None = None       # a rolled-back step's snapshot, applied after the next quorum
+        self._peer: dict | None = None          # a live peer's state, received while healing
+        self._quorum_id = None
+        self._started = time.time()
+        self.stats = {"rollbacks": 0, "recovered_at_step": None, "recovery_s": None}
+        kill = os.environ.get(KILL_ENV, "")
+        self._kill_at = (int(kill.split(":")[2]) if restart == 0 and kill and kill.split(":")[:2] ==
+                         [str(replica), str(self.role.stage)] else -1)
+
+    # the quorum ---------------------------------------------------------------------------------
+    def at_step(self, step: int) -> int:
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        if self._quorum_id is None and self.restart == 0 and self.manager.current_step() == 0:
+            # a new job: wait for every replica (each rank of a replica sees the same quorums, so all of
+            # them make the same number of attempts)
+            for _ in range(int(self.cfg.elastic.start_timeout_s / START_POLL_S)):
+                if self.manager.num_participants() >= self.cfg.mesh.dp:
+                    break
+                time.sleep(START_POLL_S)
+                self.manager.start_quorum()
+        if self.restart and self.stats["recovered_at_step"] is None:
+            self._wait_for_peer()
+        quorum_id = getattr(self.manager, "_quorum_id", None)  # torchft 0.2: bumped when the members change
+        changed, self._quorum_id = quorum_id != self._quorum_id, quorum_id
+        if self._peer is not None:
+            self._apply(self._peer, repost=True)
+            self._peer, self._restore = None, None
+            joined = self.manager.current_step()
+            self.stats.update(recovered_at_step=joined, recovery_s=round(time.perf_counter() - t0, 3))
+            self._event("recovered", joined, replica=self.replica, restart=self.restart,
+                        quorum_s=self.stats["recovery_s"], since_start_s=round(time.time() - self._started, 3))
+        elif self._restore is not None:
+            self._apply(self._restore, repost=True)
+            self._restore = None
+        elif changed and self.rk.in_flight:
+            self._repost()  # the process group was rebuilt: posted fragment syncs start again on it
+        return self.manager.current_step()
+
+    def _wait_for_peer(self) -> None:
+        """A restarted replica trains only with the job: until a live peer is in its quorum (it heals
+        from one ahead of it, or they are all still at step 0), it asks again, up to
+        ``elastic.quorum_timeout_s`` (every rank of the replica sees the same quorums)."""
+        for _ in range(int(self.cfg.elastic.quorum_timeout_s / START_POLL_S)):
+            if self._peer is not None or self.manager.num_participants() >= 2:
+                return
+            time.sleep(START_POLL_S)
+            self.manager.start_quorum()
+        raise RuntimeError(f"replica {self.replica} restarted but found no live replica to recover the job's state "
+                           f"from in {self.cfg.elastic.quorum_timeout_s:g} s (elastic.quorum_timeout_s)")
+
+    def _event(self, event: str, step: int, **fields) -> None:
+        if self.logs:
+            append_event(self.job, event, step=step, **fields)
+
+    # a step -------------------------------------------------------------------------------------
+    def after_schedule(self, step: int) -> None:
+        if step == self._kill_at:  # the measured failure: a real SIGKILL, mid-step (nothing of ours runs after it)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def train_step(self, step: int) -> float | None:
+        snapshot = copy.deepcopy(self._state())
+        self.compute_step(step)
+        mine = self.meter.snapshot()
+        rows = self._gather([sum(self.rk.worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
+                             *(mine[a] for a in AXES)])  # this replica's stages (its own world)
+        sent = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        dp = self.cfg.mesh.dp
+        table = torch.zeros(dp, 3 + len(AXES), dtype=torch.float64)  # one row per replica slot, theirs only
+        table[self.replica] = torch.tensor([1.0, float(rows[self.layout.grid[0][-1]][0]), float(rows[0][1]),
+                                            *(float(sent[a] - self._reported[a]) for a in AXES)], dtype=torch.float64)
+        self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
+        if not self.manager.should_commit():
+            self._restore = snapshot
+            self.step_index = step
+            self.stats["rollbacks"] += 1
+            why = str(self.manager.errored() or "fewer replicas than elastic.min_replicas").strip().splitlines()[0]
+            self._event("rolled_back", step, replica=self.replica, why=why[:200])
+            return None
+        members = [i for i in range(dp) if table[i, 0] == 1.0]
+        if members != self._members:
+            left, joined = sorted(set(self._members) - set(members)), sorted(set(members) - set(self._members))
+            if self.replica == members[0]:  # one replica reports the change
+                self._event("quorum", step, members=members, left=left, joined=joined)
+            self._members = members
+        self._reported = sent
+        for i, a in enumerate(AXES):
+            self._job_bytes[a] += int(sum(float(table[r, 3 + i]) for r in members))
+        t = self.cfg.train
+        self._job_tokens += len(members) * t.batch_size * t.seq_len
+        self._bytes = dict(self._job_bytes)
+        self._grad_norm = float(table[members[0], 2])  # the first replica's, as --engine dist reports replica 0's
+        losses = [float(table[r, 1]) for r in members]
+        return sum(losses) / len(losses)
+
+    def tokens_seen(self, step: int) -> int:
+        return self._job_tokens
+
+    # state: a snapshot to roll back to, and what a joining peer receives ---------------------------
+    def _state(self) -> dict:
+        return {"rank": self.rk.state_dict(),
+                "boundaries": {b.index: _held(b.state_dict()) for b in (self.in_b, self.out_b) if b is not None}}
+
+    def _peer_state(self) -> dict:
+        """What this rank sends a replica that joins (torchft calls it while the quorum forms)."""
+        return {**self._state(), "members": list(self._members), "job_bytes": dict(self._job_bytes),
+                "job_tokens": self._job_tokens}
+
+    def _stash_peer_state(self, state: dict) -> None:
+        self._peer = state  # applied in at_step, after the quorum (re-posting syncs talks to the group)
+
+    def _apply(self, state: dict, repost: bool) -> None:
+        for b in (self.in_b, self.out_b):
+            if b is not None:
+                b.load_state_dict(state["boundaries"][b.index], strict=False)
+        for work in self.rk.load_state_dict(state["rank"]):
+            work.wait()
+        if "job_bytes" in state:
+            self._members = [int(m) for m in state["members"]]
+            self._job_bytes = {a: int(state["job_bytes"][a]) for a in AXES}
+            self._job_tokens = int(state["job_tokens"])
+        self._stream = None  # this replica's data shard, from the step it trains next
+
+    def _repost(self) -> None:
+        pending = [(due, f, deltas) for due, f, deltas, _, _ in self.rk.in_flight]
+        self.rk.in_flight = []
+        for due, f, deltas in pending:
+            for work in self.rk._post(due, f, deltas):
+                work.wait()
+
+    # checkpoints: this replica's own, in its folder; torchft's step goes with them -----------------
+    def save(self, folder: Path, extra: dict) -> None:
+        super().save(folder, {**extra, "elastic": {"manager": self.manager.state_dict(), "members": self._members,
+                                                   "job_bytes": self._job_bytes, "job_tokens": self._job_tokens}})
+
+    def summary_extras(self) -> dict:
+        return {**super().summary_extras(), "engine": "elastic", "replica": self.replica, "restart": self.restart,
+                "members_at_end": self._members, **self.stats}
+
+    def close(self) -> None:
+        try:
+            self.manager.shutdown(wait=False)
+        finally:
+            super().close()
+
+
+def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict | None:
+    """Run this process's stage of elastic replica ``$REPLICA_GROUP_ID`` (started by ``thinpipe launch
+    --elastic`` or by torchrun with ``--nproc-per-node mesh.pp``, the lighthouse at ``$TORCHFT_LIGHTHOUSE``);
+    its replica's stage 0 returns the replica's summary."""
+    check_elastic(cfg)
+    exit_with_launcher()
+    quiet_torchft()
+    for name in (REPLICA_ENV, LIGHTHOUSE_ENV, "RANK"):
+        if name not in os.environ:
+            raise ConfigError(f"--engine elastic needs ${name}: start it with `thinpipe launch --elastic -- train ...` "
+                              "or as docs/elastic.md shows")
+    replica, restart = int(os.environ[REPLICA_ENV]), int(os.environ.get(RESTART_ENV, "0"))
+    if not 0 <= replica < cfg.mesh.dp:
+        raise ConfigError(f"${REPLICA_ENV} = {replica} is not a replica of mesh.dp = {cfg.mesh.dp} (0..{cfg.mesh.dp - 1})")
+    job = Path(out)
+    folder = replica_folder(job, replica, restart)
+    if not dist.is_initialized():
+        timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    engine = None
+    try:
+        setup = RankSetup.build(cfg, MeshLayout(1, cfg.mesh.pp, 0))  # this replica's world: its stages
+        st = setup.stage
+        say(f"[thinpipe replica {replica} stage {setup.role.stage}] layers {st.first_layer}-"
+            f"{st.first_layer + len(st.layers) - 1}{f', restart {restart}' if restart else ''}")
+        engine = ElasticEngine(setup, replica, job, restart)
+        return run(engine, cfg, folder, progress=progress)
+    finally:
+        if engine is not None:
+            engine.close()
+        dist.destroy_process_group()

@@ -1,0 +1,241 @@
+"""``thinpipe launch --elastic``: a job whose replicas may die and come back, on one machine (torchft).
+
+It starts torchft's lighthouse, then each replica as its own torch.distributed world of
+``mesh.pp`` processes (``train --engine elastic``, ``engine/elastic.py``), and watches them:
+
+* a process of a replica that fails (an exit code, a signal) takes its replica out: the replica's
+  other processes are stopped (a pipeline cannot run without a stage, and a stage left alive would
+  keep heartbeating for a replica that no longer trains), the other replicas go on with a smaller
+  quorum, and the replica is started again (``--max-restarts`` per replica), recovering the job's
+  state from a live peer;
+* a replica whose processes all end with 0 has finished; the job ends when every replica has
+  finished or is given up, with exit 0 if one finished;
+* every change goes to ``OUT/events.jsonl`` (``replica_started``, ``replica_failed``,
+  ``replica_restarted``, ``replica_given_up``, ``job_finished``; the replicas add ``quorum``,
+  ``rolled_back``, ``recovered``), and at the end ``OUT/summary.json`` and ``OUT/metrics.jsonl`` say
+  what the job did as a whole (``elastic_summary``).
+
+Across machines the same job is one ``torchft_lighthouse`` and one torchrun per replica
+(docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from torchft.coordination import LighthouseServer
+
+from thinpipe.config import ConfigError, load_config
+from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, check_elastic, quiet_torchft,
+                                     replica_folder)
+from thinpipe.events import EVENTS, append_event, read_events
+from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
+from thinpipe.log import say
+
+JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl")
+
+
+def claim_job(out: Path, overwrite: bool) -> None:
+    held = sorted([n for n in JOB_FILES if (out / n).exists()] + [p.name for p in out.glob("replica*")])
+    if not held:
+        return
+    if not overwrite:
+        raise ConfigError(f"--out {out} holds an elastic job ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
+                          "add --overwrite to replace it, or choose another --out")
+    for n in held:
+        shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+
+
+class Replica:
+    """One replica's processes (its stages) and how often it was started."""
+
+    def __init__(self, index: int):
+        self.index, self.restarts, self.procs = index, 0, []
+        self.state = "running"  # running | finished | given_up
+
+    def codes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+
+def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None) -> int:
+    args = train_args(rest)
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--config")
+    p.add_argument("--set", action="append", default=[])
+    p.add_argument("--out", required=True)
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--resume", action="store_true")
+    known, _ = p.parse_known_args(args[1:])
+    cfg = load_config(known.config, known.set)
+    check_elastic(cfg)
+    if known.resume:
+        raise ConfigError("--resume of an elastic job is not supported yet: start it again with another --out")
+    dp, pp = cfg.mesh.dp, cfg.mesh.pp
+    if nproc is not None and nproc != dp * pp:
+        raise ConfigError(f"--nproc {nproc} does not match an elastic job of mesh.dp x mesh.pp = {dp} x {pp} = {dp * pp} "
+                          "processes: give --nproc {dp * pp} or leave it out")
+    out = Path(known.out)
+    claim_job(out, known.overwrite)
+    out.mkdir(parents=True, exist_ok=True)
+    e = cfg.elastic
+    quiet_torchft()  # before the lighthouse starts: the replicas inherit RUST_LOG
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=e.min_replicas, join_timeout_ms=int(e.join_timeout_s * 1000),
+                                  quorum_tick_ms=100, heartbeat_timeout_ms=int(e.heartbeat_timeout_s * 1000))
+    address = lighthouse.address()
+    say(f"[thinpipe launch] elastic job: {dp} replicas x {pp} stages, lighthouse at {address}, up to {max_restarts} "
+        f"restarts per replica; events in {out / EVENTS}")
+    replicas = [Replica(r) for r in range(dp)]
+    interrupted = threading.Event()
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "thinpipe", *[a for a in args if a not in ("--overwrite",)], "--engine", "elastic"]
+    try:
+        for rep in replicas:
+            _start(rep, cmd, pp, address, out, t0)
+        code = _supervise(replicas, cmd, pp, address, out, t0, max_restarts, interrupted)
+        if code == INTERRUPTED:
+            say("[thinpipe launch] interrupted: stopping every replica")
+            return code
+        summary = elastic_summary(out, cfg)
+        say(f"[thinpipe launch] elastic job done: {summary['replicas_finished']} of {dp} replicas finished, "
+            f"{summary['restarts']} restarts, {summary['steps_redone']} steps redone; {out / 'summary.json'}")
+        return code
+    finally:
+        for rep in replicas:
+            _stop(rep.procs)
+        signal.signal(signal.SIGINT, previous)
+        lighthouse.shutdown()
+
+
+def _start(rep: Replica, cmd: list[str], pp: int, lighthouse: str, out: Path, t0: float) -> None:
+    port = _free_port()
+    rep.procs = []
+    for s in range(pp):
+        env = {**os.environ, "RANK": str(s), "WORLD_SIZE": str(pp), "LOCAL_RANK": str(s), "LOCAL_WORLD_SIZE": str(pp),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
+               REPLICA_ENV: str(rep.index), RESTART_ENV: str(rep.restarts), LIGHTHOUSE_ENV: lighthouse,
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        rep.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+    rep.state = "running"
+    append_event(out, "replica_started" if rep.restarts == 0 else "replica_restarted", replica=rep.index,
+                 restart=rep.restarts, wall_s=round(time.time() - t0, 3), folder=replica_folder(out, rep.index,
+                                                                                                rep.restarts).name)
+
+
+def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: float, max_restarts: int,
+               interrupted: threading.Event) -> int:
+    while True:
+        if interrupted.is_set():
+            return INTERRUPTED
+        for rep in replicas:
+            if rep.state != "running":
+                continue
+            codes = rep.codes()
+            failed = [(s, c) for s, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                stage, code = failed[0]
+                _stop(rep.procs, grace_s=5.0)
+                append_event(out, "replica_failed", replica=rep.index, stage=stage, how=_how(code),
+                             restart=rep.restarts, wall_s=round(time.time() - t0, 3))
+                others = [o for o in replicas if o is not rep]
+                if others and all(o.state != "running" for o in others):
+                    rep.state = "given_up"  # nobody left to recover the job's state from: the job is over
+                    say(f"[thinpipe launch] replica {rep.index} lost (stage {stage}: {_how(code)}) after the others "
+                        "ended: not restarted")
+                    append_event(out, "replica_given_up", replica=rep.index, why="the other replicas had ended",
+                                 wall_s=round(time.time() - t0, 3))
+                elif rep.restarts < max_restarts:
+                    say(f"[thinpipe launch] replica {rep.index} lost (stage {stage}: {_how(code)}); the others go on; "
+                        f"restarting it ({rep.restarts + 1} of {max_restarts})")
+                    rep.restarts += 1
+                    _start(rep, cmd, pp, lighthouse, out, t0)
+                else:
+                    rep.state = "given_up"
+                    say(f"[thinpipe launch] replica {rep.index} lost (stage {stage}: {_how(code)}) after {max_restarts} "
+                        "restarts: the others go on without it")
+                    append_event(out, "replica_given_up", replica=rep.index, wall_s=round(time.time() - t0, 3))
+            elif all(c == 0 for c in codes):
+                rep.state = "finished"
+        for rep in replicas:
+            # a restarted replica that has not recovered yet when every other one has ended would train
+            # alone from the initial weights: it is stopped instead
+            if (rep.state == "running" and rep.restarts and all(o.state != "running" for o in replicas if o is not rep)
+                    and not _recovered(out, rep)):
+                _stop(rep.procs, grace_s=5.0)
+                rep.state = "given_up"
+                say(f"[thinpipe launch] replica {rep.index} restarted after the others ended: stopped")
+                append_event(out, "replica_given_up", replica=rep.index, why="the other replicas ended before it "
+                             "rejoined", wall_s=round(time.time() - t0, 3))
+        if all(rep.state != "running" for rep in replicas):
+            finished = sum(rep.state == "finished" for rep in replicas)
+            append_event(out, "job_finished", replicas_finished=finished, wall_s=round(time.time() - t0, 3))
+            return 0 if finished else 1
+        time.sleep(0.2)
+
+
+def _recovered(out: Path, rep: Replica) -> bool:
+    return any(e["event"] == "recovered" and e["replica"] == rep.index and e["restart"] == rep.restarts
+               for e in read_events(out))
+
+
+def elastic_summary(out: Path, cfg) -> dict:
+    """``OUT/summary.json`` and ``OUT/metrics.jsonl`` of a whole elastic job, from its replicas' folders and events.
+
+    metrics.jsonl: for every step, the row of the first replica (lowest index, then latest restart)
+    that committed it (a row's loss and bytes are the job's: every replica present computed the same).
+    """
+    events = read_events(out)
+    folders = sorted((p for p in out.glob("replica*") if p.is_dir()), key=_folder_order)
+    summaries = {p.name: json.loads((p / "summary.json").read_text()) for p in folders if (p / "summary.json").is_file()}
+    rows: dict[int, dict] = {}
+    for p in folders:
+        if (p / "metrics.jsonl").is_file():
+            for line in (p / "metrics.jsonl").read_text().splitlines():
+                if line.strip():
+                    m = json.loads(line)
+                    rows.setdefault(m["step"], m)
+    with open(out / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(rows[s]) + "\n" for s in sorted(rows))
+    failed = [e for e in events if e["event"] == "replica_failed"]
+    recovered = [e for e in events if e["event"] == "recovered"]
+    rejoins = []
+    for e in recovered:
+        lost = [f for f in failed if f["replica"] == e["replica"] and f["time"] <= e["time"]]
+        rejoins.append({"replica": e["replica"], "at_step": e["step"], "restart": e["restart"],
+                        "rejoin_s": round(e["time"] - lost[-1]["time"], 3) if lost else None})
+    quorum = [e for e in events if e["event"] == "quorum"]
+    missed = 0  # replica-steps the job trained without some replica
+    for i, q in enumerate(quorum):
+        end = quorum[i + 1]["step"] if i + 1 < len(quorum) else cfg.train.steps
+        missed += (cfg.mesh.dp - len(q["members"])) * (end - q["step"])
+    first = next((summaries[p.name] for p in folders if p.name in summaries), None)
+    summary = {
+        "engine": "elastic", "replicas": cfg.mesh.dp, "stages": cfg.mesh.pp, "steps": cfg.train.steps,
+        "replicas_finished": len({s["replica"] for s in summaries.values()}),
+        "final_val_loss": first["final_val_loss"] if first else None,
+        "final_val_loss_by_replica": {name: s["final_val_loss"] for name, s in summaries.items()},
+        "tokens": first["tokens"] if first else None, "wall_s": first["wall_s"] if first else None,
+        "restarts": len([e for e in events if e["event"] == "replica_restarted"]),
+        "failures": [{k: f[k] for k in ("replica", "stage", "how", "wall_s")} for f in failed],
+        "steps_redone": len({e["step"] for e in events if e["event"] == "rolled_back"}),
+        "replica_steps_missed": missed, "rejoins": rejoins,
+        "quorum_changes": [{k: q[k] for k in ("step", "members", "left", "joined")} for q in quorum],
+        "replica_summaries": summaries,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _folder_order(p: Path) -> tuple[int, int]:
+    name = p.name.removeprefix("replica")
+    r, _, n = name.partition("-restart")
+    return int(r), -int(n or 0)
