@@ -238,3 +238,28 @@ def test_a_replica_killed_mid_step_is_restarted_and_rejoins_with_its_peers_weigh
     # tokens: every replica-step that committed, the missing ones not counted
     assert job["tokens"] == (3 * steps - job["replica_steps_missed"]) * 2 * 32
     assert [r["step"] for r in rows(out / "metrics.jsonl")] == list(range(steps))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_replica_lost_for_good_leaves_diloco_averaging_over_the_others(tmp_path):
+    """--max-restarts 0: replica 2 (stage 0, its manager's host) SIGKILLed at step 5 is given up; the
+    two others finish the job, their DiLoCo outer steps averaging over the two of them."""
+    out = tmp_path / "job"
+    steps = 12
+    p = run_job(["launch", "--elastic", "--max-restarts", "0", "--", "train", "--out", str(out), "--quiet", *BASE,
+                 "--set", "mesh.dp=3", "--set", f"train.steps={steps}", "--set", "train.checkpoint_every=0",
+                 "--set", "dp.kind=diloco", "--set", "dp.inner_steps=2"], THINPIPE_ELASTIC_KILL="2:0:5")
+    assert p.returncode == 0, p.stderr[-4000:]
+    events = read_events(out)
+    assert [e["replica"] for e in events if e["event"] == "replica_given_up"] == [2]
+    assert not [e for e in events if e["event"] == "replica_restarted"]
+    assert [(e["step"], e["members"]) for e in events if e["event"] == "quorum"] == [(0, [0, 1, 2]), (5, [0, 1])]
+    for survivor in ("replica0", "replica1"):
+        assert [r["step"] for r in rows(out / survivor / "metrics.jsonl")] == list(range(steps))
+    # the job ends on an outer step (12 = 6 x 2): local == global, the same on both survivors
+    w0, w1 = final_weights(out / "replica0", 2), final_weights(out / "replica1", 2)
+    assert all(torch.equal(w0[s][k], w1[s][k]) for s in range(2) for k in w0[s])
+    job = json.loads((out / "summary.json").read_text())
+    assert job["replicas_finished"] == 2 and job["replica_steps_missed"] == steps - 5
+    assert job["tokens"] == (3 * steps - (steps - 5)) * 2 * 32

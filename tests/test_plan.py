@@ -409,3 +409,25 @@ def test_table6_the_closed_form_follows_the_paper_and_its_replicas_scale_linearl
         pps = sorted(pp for d, pp in paper if d == dp)
         assert [got[(dp, pp)]["tokens_per_s"] / (dp - 1) for pp in pps] == \
             sorted((got[(dp, pp)]["tokens_per_s"] / (dp - 1) for pp in pps), reverse=True)
+
+
+def test_churn_costs_a_stall_per_failure_and_a_missing_replica_meanwhile():
+    from thinpipe.plan.churn import churn_tokens_per_s
+
+    # 3 replicas failing once an hour each: 3 failures/h; each stalls the job 5 s + the redone 1 s step,
+    # and leaves its replica out for max(5, 6) s + 0.5 s of healing
+    c = churn_tokens_per_s(1000.0, 1.0, 3, 3600.0, 5.0, 6.0, 0.5)
+    assert c["stall_per_failure_s"] == 6.0 and c["replica_absent_per_failure_s"] == 6.5
+    assert c["tokens_per_s"] == pytest.approx(1000 * (1 - 3 * 6 / 3600) * (1 - 6.5 / 3600))
+    assert c["failures_per_hour"] == pytest.approx(3.0)
+
+
+def test_plan_adds_the_churn_row_only_when_asked(capsys):
+    assert main(["plan", "--preset", "paper-llama1b", "--json"]) == 0
+    assert "churn" not in json.loads(capsys.readouterr().out)
+    assert main(["plan", "--preset", "paper-llama1b", "--json", "--replica-mtbf-h", "2", "--restart-s", "30"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    c = r["churn"]
+    assert c["restart_s"] == 30 and 0 < c["tokens_per_s"] < r["tokens_per_s"]
+    assert c["stall_per_failure_s"] == pytest.approx(5.0 + r["step_time_s"])
+    assert main(["plan", "--preset", "paper-llama1b", "--replica-mtbf-h", "0"]) == 2

@@ -106,7 +106,11 @@ def cmd_plan(args) -> int:
     if args.target_tps is not None or args.max_mbps is not None:
         return print_advice(advise(cfg, device, args.target_tps, args.max_mbps, args.probe, args.max_damage), name,
                              args.json)
-    result = plan(cfg, device)
+    if args.replica_mtbf_h is not None and args.replica_mtbf_h <= 0:
+        raise ConfigError(f"--replica-mtbf-h must be > 0 hours, got {args.replica_mtbf_h}")
+    if args.restart_s < 0:
+        raise ConfigError(f"--restart-s must be >= 0 seconds, got {args.restart_s}")
+    result = plan(cfg, device, replica_mtbf_h=args.replica_mtbf_h, restart_s=args.restart_s)
     result["device"] = name
     if args.json:
         print(json.dumps(result, indent=2))
@@ -335,6 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 (data sheet) | cpu | cuda | cuda:N (measured here, "
                                      "cached) (default: the preset's, else a100-40gb)")
     pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.add_argument("--replica-mtbf-h", type=float, help="elastic replicas (docs/elastic.md): each fails this often "
+                    "(hours, mean); adds the expected tokens/s with that churn")
+    pl.add_argument("--restart-s", type=float, default=60.0, help="with --replica-mtbf-h: seconds to start a lost "
+                                                                  "replica again, model load included (60)")
     pl.add_argument("--remeasure", action="store_true", help="with --device cpu or cuda: measure again instead of the "
                                                              "cached profile (do it on an idle machine)")
     pl.add_argument("--target-tps", type=float, help="advice: the least compression (mask p, PowerSGD rank, DiLoCo H) "

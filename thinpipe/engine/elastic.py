@@ -269,7 +269,9 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
         if name not in os.environ:
             raise ConfigError(f"--engine elastic needs ${name}: start it with `thinpipe launch --elastic -- train ...` "
                               "or as docs/elastic.md shows")
-    replica, restart = int(os.environ[REPLICA_ENV]), int(os.environ.get(RESTART_ENV, "0"))
+    # restarted by thinpipe launch --elastic, or by torchrun --max-restarts (which counts its own restarts)
+    replica = int(os.environ[REPLICA_ENV])
+    restart = int(os.environ.get(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if not 0 <= replica < cfg.mesh.dp:
         raise ConfigError(f"${REPLICA_ENV} = {replica} is not a replica of mesh.dp = {cfg.mesh.dp} (0..{cfg.mesh.dp - 1})")
     job = Path(out)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from thinpipe.config import Config, ConfigError
 from thinpipe.plan import closed_form as cf
+from thinpipe.plan.churn import churn_tokens_per_s, heal_bytes
 from thinpipe.plan.des import PipelineStep, simulate
 from thinpipe.plan.device import DEVICES, Device  # noqa: F401  (DEVICES: re-exported)
 
@@ -126,9 +127,12 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
 
-def plan(cfg: Config, device: Device, rho_act: float | None = None) -> dict:
+def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf_h: float | None = None,
+         restart_s: float = 60.0) -> dict:
     """The closed form and schedule simulation of ``cfg`` on ``device``. ``rho_act``: the boundary's
-    measured fraction of dense bytes (``thinpipe probe``) for a kind the closed form does not model."""
+    measured fraction of dense bytes (``thinpipe probe``) for a kind the closed form does not model.
+    ``replica_mtbf_h``: with elastic replicas failing this often each (and ``restart_s`` to start
+    one again), the expected tokens/s with churn (``plan/churn.py``)."""
     m, t, d, link = cfg.mesh, cfg.train, cfg.dp, cfg.link
     arch = ARCHITECTURES.get(cfg.model.name)
     if arch is None:
@@ -196,6 +200,11 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None) -> dict:
         # per cycle: the pull (N b), the push to every fast replica, the anchor's dense PP pass
         out["bytes_per_token"]["anchor"] = (N_train * b + N_train * b * push_ratio * D
                                             + 2 * (K - 1) * H * b * S) / (every * tokens)
+    if replica_mtbf_h is not None:
+        heal_s = heal_bytes(N, N_train, K, b, d.kind in ("diloco", "streaming-diloco")) / B_dp
+        out["churn"] = {"replica_mtbf_h": replica_mtbf_h, "restart_s": restart_s, "heal_s": heal_s,
+                        **churn_tokens_per_s(tokens / serial, serial, D, replica_mtbf_h * 3600,
+                                             cfg.elastic.heartbeat_timeout_s, restart_s, heal_s)}
     total = sum(out["bytes_per_token"].values())
     out["bytes_per_token_total"] = total
     # The paper's "Comm. (B/tok)" (Table 1) is this total spread over the K stages (one GPU's links).

@@ -24,6 +24,11 @@ def print_plan(result: dict, name: str) -> None:
         rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
                                                       f"{result['t_push_s']:.2f} s"),
                  ("anchor staleness K_stale (overlapped)", f"{result['k_stale']:.1f} ({result['k_stale_overlapped']:.1f}) steps")]
+    if "churn" in result:
+        c = result["churn"]
+        rows += [(f"with replica churn (MTBF {c['replica_mtbf_h']:g} h each, restart {c['restart_s']:g} s)",
+                  f"{c['tokens_per_s']:.0f} tokens/s ({c['failures_per_hour']:.2g} failures/h; each stalls the job "
+                  f"{c['stall_per_failure_s']:.1f} s, a replica missing {c['replica_absent_per_failure_s']:.1f} s)")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
