@@ -120,6 +120,7 @@ def test_events_are_appended_one_json_line_each(tmp_path):
      "--nproc 3 does not match an elastic job of mesh.dp x mesh.pp = 2 x 2 = 4"),
     (["launch", "--elastic", "--max-restarts", "-1", "--", "train", "--out", "X"], "--max-restarts must be >= 0"),
     (["launch", "--", "train", "--out", "X"], "thinpipe launch needs --nproc N"),
+    (["train", "--out", "X", "--engine", "elastic", "--init-from", "X"], "--init-from is not taken by --engine elastic"),
 ])
 def test_bad_elastic_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -197,6 +198,7 @@ def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, sch
     job = json.loads((tmp_path / "el" / "summary.json").read_text())
     assert job["replicas_finished"] == 2 and job["restarts"] == 0 and job["steps_redone"] == 0
     assert job["final_val_loss"] == json.loads((tmp_path / "dist" / "summary.json").read_text())["final_val_loss"]
+    assert main(["compare", str(tmp_path / "dist"), str(tmp_path / "el"), "--json"]) == 0  # a job folder is a run folder
 
 
 @pytest.mark.dist
@@ -263,3 +265,18 @@ def test_a_replica_lost_for_good_leaves_diloco_averaging_over_the_others(tmp_pat
     job = json.loads((out / "summary.json").read_text())
     assert job["replicas_finished"] == 2 and job["replica_steps_missed"] == steps - 5
     assert job["tokens"] == (3 * steps - (steps - 5)) * 2 * 32
+
+
+def test_an_unreachable_lighthouse_is_one_line_in_seconds(tmp_path, capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "REPLICA_GROUP_ID": "0",
+                 "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", "--engine", "elastic", "--out", str(tmp_path / "r"), *BASE, "--set", "mesh.dp=2",
+                 "--set", "mesh.pp=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no torchft lighthouse answers there" in err[0]

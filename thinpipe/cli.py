@@ -23,6 +23,9 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     if args.engine != "elastic":  # an elastic job's folder is its launcher's to claim (replicas write sub-folders)
         claim_out(Path(args.out), args.resume, args.overwrite)
+    if args.init_from and args.engine == "elastic":
+        raise ConfigError("--init-from is not taken by --engine elastic (its replicas would each export the weights): "
+                          "export once with `thinpipe export` and give the folder as --set model.name=FOLDER")
     if args.init_from:
         from thinpipe.runs import init_weights
 

@@ -13,7 +13,8 @@ It starts torchft's lighthouse, then each replica as its own torch.distributed w
 * every change goes to ``OUT/events.jsonl`` (``replica_started``, ``replica_failed``,
   ``replica_restarted``, ``replica_given_up``, ``job_finished``; the replicas add ``quorum``,
   ``rolled_back``, ``recovered``), and at the end ``OUT/summary.json`` and ``OUT/metrics.jsonl`` say
-  what the job did as a whole (``elastic_summary``).
+  what the job did as a whole, next to its ``config.toml`` (``elastic_summary``): the folder reads as
+  any run's (``thinpipe compare``).
 
 Across machines the same job is one ``torchft_lighthouse`` and one torchrun per replica
 (docs/elastic.md).
@@ -41,7 +42,8 @@ from thinpipe.events import EVENTS, append_event, read_events
 from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
 from thinpipe.log import say
 
-JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl")
+JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl", "config.toml")
+REPLICA_KEYS = ("replica", "restart", "members_at_end", "rollbacks", "recovered_at_step", "recovery_s", "world_size")
 
 
 def claim_job(out: Path, overwrite: bool) -> None:
@@ -218,12 +220,14 @@ def elastic_summary(out: Path, cfg) -> dict:
         end = quorum[i + 1]["step"] if i + 1 < len(quorum) else cfg.train.steps
         missed += (cfg.mesh.dp - len(q["members"])) * (end - q["step"])
     first = next((summaries[p.name] for p in folders if p.name in summaries), None)
+    # the first replica's summary is the job's (as --engine dist reports replica 0's), so that
+    # `thinpipe compare` reads an elastic job's folder as any run's; what is one replica's own goes
+    job = {k: v for k, v in (first or {}).items() if k not in REPLICA_KEYS}
     summary = {
-        "engine": "elastic", "replicas": cfg.mesh.dp, "stages": cfg.mesh.pp, "steps": cfg.train.steps,
+        **job, "engine": "elastic", "replicas": cfg.mesh.dp, "stages": cfg.mesh.pp, "steps": cfg.train.steps,
         "replicas_finished": len({s["replica"] for s in summaries.values()}),
         "final_val_loss": first["final_val_loss"] if first else None,
         "final_val_loss_by_replica": {name: s["final_val_loss"] for name, s in summaries.items()},
-        "tokens": first["tokens"] if first else None, "wall_s": first["wall_s"] if first else None,
         "restarts": len([e for e in events if e["event"] == "replica_restarted"]),
         "failures": [{k: f[k] for k in ("replica", "stage", "how", "wall_s")} for f in failed],
         "steps_redone": len({e["step"] for e in events if e["event"] == "rolled_back"}),
@@ -232,6 +236,8 @@ def elastic_summary(out: Path, cfg) -> dict:
         "replica_summaries": summaries,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    resolved = next((p / "config.toml" for p in folders if (p / "config.toml").is_file()), None)
+    (out / "config.toml").write_text(resolved.read_text() if resolved else cfg.to_toml())
     return summary
 
 

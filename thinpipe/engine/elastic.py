@@ -36,7 +36,9 @@ import datetime
 import logging
 import os
 import signal
+import socket
 import time
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -258,6 +260,19 @@ class ElasticEngine(DistEngine):
             super().close()
 
 
+def check_lighthouse(address: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, in one line, when the lighthouse cannot be reached (torchft would wait a minute
+    and raise from deep inside its manager)."""
+    url = urllib.parse.urlparse(address if "://" in address else f"http://{address}")
+    try:
+        with socket.create_connection((url.hostname, url.port or 80), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"${LIGHTHOUSE_ENV} = {address}: no torchft lighthouse answers there ({e}); start one "
+                          "(torchft_lighthouse --bind [::]:29510 --min_replicas 1, docs/elastic.md) or fix the "
+                          "address") from None
+
+
 def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict | None:
     """Run this process's stage of elastic replica ``$REPLICA_GROUP_ID`` (started by ``thinpipe launch
     --elastic`` or by torchrun with ``--nproc-per-node mesh.pp``, the lighthouse at ``$TORCHFT_LIGHTHOUSE``);
@@ -274,6 +289,7 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
     restart = int(os.environ.get(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if not 0 <= replica < cfg.mesh.dp:
         raise ConfigError(f"${REPLICA_ENV} = {replica} is not a replica of mesh.dp = {cfg.mesh.dp} (0..{cfg.mesh.dp - 1})")
+    check_lighthouse(os.environ[LIGHTHOUSE_ENV])
     job = Path(out)
     folder = replica_folder(job, replica, restart)
     if not dist.is_initialized():
