@@ -162,8 +162,10 @@ SCHEMES = {
     "all-reduce": ["--set", "dp.kind=allreduce", "--set", "boundary.kind=mask"],
     "PowerSGD": ["--set", "dp.kind=powersgd", "--set", "dp.start_step=1"],
     "DiLoCo": ["--set", "dp.kind=diloco", "--set", "dp.inner_steps=2"],
-    "Streaming DiLoCo in flight": ["--set", "dp.kind=streaming-diloco", "--set", "dp.inner_steps=2",
-                                   "--set", "dp.fragments=2", "--set", "dp.overlap=1"],
+    # int8 fragments: the managed group's all-gather
+    "Streaming DiLoCo in flight, quantized": ["--set", "dp.kind=streaming-diloco", "--set", "dp.inner_steps=2",
+                                              "--set", "dp.fragments=2", "--set", "dp.overlap=1",
+                                              "--set", "dp.quantize=true"],
 }
 
 

@@ -42,6 +42,7 @@ from thinpipe.events import EVENTS, append_event, read_events
 from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
 from thinpipe.log import say
 
+USAGE_ERROR = 2  # the CLI's exit code for bad input: restarting would only repeat it
 JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl", "config.toml")
 REPLICA_KEYS = ("replica", "restart", "members_at_end", "rollbacks", "recovered_at_step", "recovery_s", "world_size")
 
@@ -148,6 +149,10 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
                 _stop(rep.procs, grace_s=5.0)
                 append_event(out, "replica_failed", replica=rep.index, stage=stage, how=_how(code),
                              restart=rep.restarts, wall_s=round(time.time() - t0, 3))
+                if code == USAGE_ERROR:  # a user error (its one line is above): every replica would hit it
+                    say(f"[thinpipe launch] replica {rep.index} stopped on an input error (exit 2): stopping the job")
+                    append_event(out, "job_stopped", why="an input error", wall_s=round(time.time() - t0, 3))
+                    return USAGE_ERROR
                 others = [o for o in replicas if o is not rep]
                 if others and all(o.state != "running" for o in others):
                     rep.state = "given_up"  # nobody left to recover the job's state from: the job is over

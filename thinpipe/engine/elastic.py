@@ -73,6 +73,28 @@ def check_elastic(cfg: Config) -> None:
         raise ConfigError("elastic replicas do not compute gradient diagnostics: set diag.every = 0")
 
 
+def kill_step(replica: int, stage: int) -> int:
+    """``$THINPIPE_ELASTIC_KILL`` = "replica:stage:step": the step at which this process SIGKILLs itself, or -1."""
+    kill = os.environ.get(KILL_ENV, "")
+    if not kill:
+        return -1
+    parts = kill.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"${KILL_ENV} = {kill!r}: give replica:stage:step, e.g. 1:1:3")
+    return int(parts[2]) if (int(parts[0]), int(parts[1])) == (replica, stage) else -1
+
+
+def _to_host(tree):
+    """A copy of a state tree with every tensor copied to host memory."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _to_host(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_to_host(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
 def quiet_torchft() -> None:
     """torchft's Python side warns about NCCL on CPU ranks and logs every reconfiguration;
     thinpipe reports membership itself (events.jsonl). Errors still show. (Its Rust side is quieted
@@ -117,11 +139,9 @@ class ElasticEngine(DistEngine):
         self._restore: dict | None = None       # a rolled-back step's snapshot, applied after the next quorum
         self._peer: dict | None = None          # a live peer's state, received while healing
         self._quorum_id = None
-        self._started = time.time()
+        self._joined = restart == 0  # a restarted replica first needs a live peer (_wait_for_peer)
         self.stats = {"rollbacks": 0, "recovered_at_step": None, "recovery_s": None}
-        kill = os.environ.get(KILL_ENV, "")
-        self._kill_at = (int(kill.split(":")[2]) if restart == 0 and kill and kill.split(":")[:2] ==
-                         [str(replica), str(self.role.stage)] else -1)
+        self._kill_at = kill_step(replica, self.role.stage) if restart == 0 else -1
 
     # the quorum ---------------------------------------------------------------------------------
     def at_step(self, step: int) -> int:
@@ -135,19 +155,20 @@ class ElasticEngine(DistEngine):
                     break
                 time.sleep(START_POLL_S)
                 self.manager.start_quorum()
-        if self.restart and self.stats["recovered_at_step"] is None:
+        if not self._joined:
             self._wait_for_peer()
+            self._joined = True
         quorum_id = getattr(self.manager, "_quorum_id", None)  # torchft 0.2: bumped when the members change
         changed, self._quorum_id = quorum_id != self._quorum_id, quorum_id
         if self._peer is not None:
-            self._apply(self._peer, repost=True)
+            self._apply(self._peer)
             self._peer, self._restore = None, None
             joined = self.manager.current_step()
             self.stats.update(recovered_at_step=joined, recovery_s=round(time.perf_counter() - t0, 3))
             self._event("recovered", joined, replica=self.replica, restart=self.restart,
-                        quorum_s=self.stats["recovery_s"], since_start_s=round(time.time() - self._started, 3))
+                        recovery_s=self.stats["recovery_s"])
         elif self._restore is not None:
-            self._apply(self._restore, repost=True)
+            self._apply(self._restore)  # the rolled-back step's snapshot (its data stream restarts at the step too)
             self._restore = None
         elif changed and self.rk.in_flight:
             self._repost()  # the process group was rebuilt: posted fragment syncs start again on it
@@ -175,7 +196,8 @@ class ElasticEngine(DistEngine):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def train_step(self, step: int) -> float | None:
-        snapshot = copy.deepcopy(self._state())
+        # in host memory (a GPU rank keeps no second copy on its device); restored as a resume is
+        snapshot = _to_host(self._state())
         self.compute_step(step)
         mine = self.meter.snapshot()
         rows = self._gather([sum(self.rk.worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
@@ -225,7 +247,8 @@ class ElasticEngine(DistEngine):
     def _stash_peer_state(self, state: dict) -> None:
         self._peer = state  # applied in at_step, after the quorum (re-posting syncs talks to the group)
 
-    def _apply(self, state: dict, repost: bool) -> None:
+    def _apply(self, state: dict) -> None:
+        """Load a snapshot or a peer's state; syncs in flight in it are posted again (on this quorum's group)."""
         for b in (self.in_b, self.out_b):
             if b is not None:
                 b.load_state_dict(state["boundaries"][b.index], strict=False)
