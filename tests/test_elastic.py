@@ -282,3 +282,15 @@ def test_an_unreachable_lighthouse_is_one_line_in_seconds(tmp_path, capsys, monk
                  "--set", "mesh.pp=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no torchft lighthouse answers there" in err[0]
+
+
+@pytest.mark.dist
+def test_an_input_error_a_replica_finds_stops_the_job_with_exit_2_instead_of_restarting(tmp_path):
+    bad = tmp_path / "rows.jsonl"
+    bad.write_text('{"text": "fine"}\n{not json\n')
+    p = run_job(["launch", "--elastic", "--max-restarts", "3", "--", "train", "--out", str(tmp_path / "job"), "--quiet",
+                 *BASE, "--set", "mesh.dp=2", "--set", f"data.name={bad}", "--set", "train.steps=2"])
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert f"error: {bad}:2: not valid JSON" in p.stderr
+    events = read_events(tmp_path / "job")
+    assert [e["event"] for e in events].count("replica_restarted") == 0 and events[-1]["event"] == "job_stopped"

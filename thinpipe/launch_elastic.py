@@ -41,6 +41,7 @@ from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, c
 from thinpipe.events import EVENTS, append_event, read_events
 from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
 from thinpipe.log import say
+from thinpipe.preflight import validate_names
 
 USAGE_ERROR = 2  # the CLI's exit code for bad input: restarting would only repeat it
 JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl", "config.toml")
@@ -80,6 +81,7 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     known, _ = p.parse_known_args(args[1:])
     cfg = load_config(known.config, known.set)
     check_elastic(cfg)
+    validate_names(cfg)  # before any process starts: a bad model or data name is one line here, not R x PP
     if known.resume:
         raise ConfigError("--resume of an elastic job is not supported yet: start it again with another --out")
     dp, pp = cfg.mesh.dp, cfg.mesh.pp
