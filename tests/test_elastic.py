@@ -294,3 +294,46 @@ def test_an_input_error_a_replica_finds_stops_the_job_with_exit_2_instead_of_res
     assert f"error: {bad}:2: not valid JSON" in p.stderr
     events = read_events(tmp_path / "job")
     assert [e["event"] for e in events].count("replica_restarted") == 0 and events[-1]["event"] == "job_stopped"
+
+
+def test_the_job_summary_counts_missed_replica_steps_rejoin_time_and_merges_rows(tmp_path):
+    """elastic_summary from replica folders and events alone (what the launcher writes at the end)."""
+    from thinpipe.config import load_config
+    from thinpipe.launch_elastic import elastic_summary
+
+    cfg = load_config(None, ["mesh.dp=3", "train.steps=10"])
+    out = tmp_path / "job"
+
+    def folder(name, steps, replica, restart, val):
+        (out / name).mkdir(parents=True)
+        (out / name / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "from": name}) + "\n"
+                                                          for s in steps))
+        (out / name / "summary.json").write_text(json.dumps({
+            "replica": replica, "restart": restart, "final_val_loss": val, "tokens": 123, "wall_s": 9.0,
+            "engine": "elastic", "val_points": [[0, 2.0], [10, val]], "bytes_per_token": {"pp_fwd": 1.0}}))
+        (out / name / "config.toml").write_text(cfg.to_toml())
+
+    folder("replica0", range(10), 0, 0, 1.5)
+    folder("replica2", range(10), 2, 0, 1.5)
+    (out / "replica1").mkdir()
+    (out / "replica1" / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "from": "replica1"}) + "\n"
+                                                            for s in range(3)))
+    folder("replica1-restart1", range(6, 10), 1, 1, 1.5)
+    t = 1000.0
+    for ev, fields in [("quorum", {"step": 0, "members": [0, 1, 2], "left": [], "joined": [0, 1, 2]}),
+                       ("replica_failed", {"replica": 1, "stage": 1, "how": "signal SIGKILL", "wall_s": 20.0}),
+                       ("rolled_back", {"step": 3, "replica": 0}), ("rolled_back", {"step": 3, "replica": 2}),
+                       ("quorum", {"step": 3, "members": [0, 2], "left": [1], "joined": []}),
+                       ("replica_restarted", {"replica": 1, "restart": 1}),
+                       ("recovered", {"step": 6, "replica": 1, "restart": 1}),
+                       ("quorum", {"step": 6, "members": [0, 1, 2], "left": [], "joined": [1]})]:
+        t += 2.0
+        (out / "events.jsonl").open("a").write(json.dumps({"event": ev, "time": t, **fields}) + "\n")
+    s = elastic_summary(out, cfg)
+    assert s["replicas_finished"] == 3 and s["restarts"] == 1 and s["steps_redone"] == 1
+    assert s["replica_steps_missed"] == 3  # replica 1 absent from steps 3, 4 and 5
+    assert s["rejoins"] == [{"replica": 1, "at_step": 6, "restart": 1, "rejoin_s": 10.0}]
+    assert s["final_val_loss"] == 1.5 and s["tokens"] == 123 and "replica" not in s
+    merged = rows(out / "metrics.jsonl")
+    assert [r["step"] for r in merged] == list(range(10)) and {r["from"] for r in merged} == {"replica0"}
+    assert (out / "config.toml").is_file()
