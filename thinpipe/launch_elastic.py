@@ -87,14 +87,23 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     dp, pp = cfg.mesh.dp, cfg.mesh.pp
     if nproc is not None and nproc != dp * pp:
         raise ConfigError(f"--nproc {nproc} does not match an elastic job of mesh.dp x mesh.pp = {dp} x {pp} = {dp * pp} "
-                          "processes: give --nproc {dp * pp} or leave it out")
+                          f"processes: give --nproc {dp * pp} or leave it out")
     out = Path(known.out)
     claim_job(out, known.overwrite)
     out.mkdir(parents=True, exist_ok=True)
     e = cfg.elastic
     quiet_torchft()  # before the lighthouse starts: the replicas inherit RUST_LOG
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=e.min_replicas, join_timeout_ms=int(e.join_timeout_s * 1000),
-                                  quorum_tick_ms=100, heartbeat_timeout_ms=int(e.heartbeat_timeout_s * 1000))
+    lighthouse = None
+    for bind in ("[::]:0", "0.0.0.0:0"):  # IPv6 (and v4) where the machine has it, else IPv4 alone
+        try:
+            lighthouse = LighthouseServer(bind=bind, min_replicas=e.min_replicas,
+                                          join_timeout_ms=int(e.join_timeout_s * 1000), quorum_tick_ms=100,
+                                          heartbeat_timeout_ms=int(e.heartbeat_timeout_s * 1000))
+            break
+        except RuntimeError as err:
+            why = err
+    if lighthouse is None:
+        raise ConfigError(f"cannot start torchft's lighthouse on this machine ({why})")
     address = lighthouse.address()
     say(f"[thinpipe launch] elastic job: {dp} replicas x {pp} stages, lighthouse at {address}, up to {max_restarts} "
         f"restarts per replica; events in {out / EVENTS}")
@@ -111,8 +120,9 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
             say("[thinpipe launch] interrupted: stopping every replica")
             return code
         summary = elastic_summary(out, cfg)
-        say(f"[thinpipe launch] elastic job done: {summary['replicas_finished']} of {dp} replicas finished, "
-            f"{summary['restarts']} restarts, {summary['steps_redone']} steps redone; {out / 'summary.json'}")
+        say(f"[thinpipe launch] elastic job {'done' if code == 0 else f'ended with exit code {code}'}: "
+            f"{summary['replicas_finished']} of {dp} replicas finished, {summary['restarts']} restarts, "
+            f"{summary['steps_redone']} steps redone; {out / 'summary.json'}")
         return code
     finally:
         for rep in replicas:
