@@ -113,7 +113,9 @@ def test_events_are_appended_one_json_line_each(tmp_path):
     (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.anchor=1", "--set", "mesh.dp=2"],
      "elastic replicas do not run an anchor circuit yet"),
     (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.dp=2"], "--engine elastic needs \\$REPLICA_GROUP_ID"),
-    (["train", "--out", "X", "--engine", "elastic", "--resume"], "--resume of an elastic job is not supported yet"),
+    (["train", "--out", "X", "--engine", "elastic", "--resume"], "an elastic job resumes through its launcher"),
+    (["launch", "--elastic", "--", "train", "--out", "X", "--resume", "--set", "mesh.dp=2"],
+     "--resume: .* holds no elastic job \\(no events.jsonl\\)"),
     (["train", "--out", "X", "--set", "elastic.min_replicas=3", "--set", "mesh.dp=2"],
      "elastic.min_replicas = 3 exceeds mesh.dp = 2"),
     (["launch", "--elastic", "--nproc", "3", "--", "train", "--out", "X", "--set", "mesh.dp=2", "--set", "mesh.pp=2"],
@@ -337,3 +339,37 @@ def test_the_job_summary_counts_missed_replica_steps_rejoin_time_and_merges_rows
     merged = rows(out / "metrics.jsonl")
     assert [r["step"] for r in merged] == list(range(10)) and {r["from"] for r in merged} == {"replica0"}
     assert (out / "config.toml").is_file()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_a_whole_job_that_stopped_resumes_from_its_replicas_checkpoints_bitwise(tmp_path):
+    """Every rank of every replica fails at step 6 (THINPIPE_FAULT_AT_STEP) with no restarts left: the
+    job ends without a finished replica. --resume continues each replica from its checkpoint of step 4;
+    the result equals an uninterrupted elastic job's, row for row and weight for weight."""
+    args = [*BASE, "--set", "mesh.dp=2", "--set", "train.steps=9", "--set", "train.checkpoint_every=4",
+            "--set", "eval.every=3", "--set", "dp.kind=powersgd", "--set", "dp.start_step=1"]
+    p = run_job(["launch", "--elastic", "--", "train", "--out", str(tmp_path / "ref"), "--quiet", *args])
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = tmp_path / "job"
+    p = run_job(["launch", "--elastic", "--max-restarts", "0", "--", "train", "--out", str(out), "--quiet", *args],
+                THINPIPE_FAULT_AT_STEP="6")
+    assert p.returncode == 1 and "injected fault at step 6" in p.stderr
+    assert not (out / "replica0" / "summary.json").exists()
+    before = rows(out / "replica0" / "metrics.jsonl")
+    assert [r["step"] for r in before] == list(range(6))
+    p = run_job(["launch", "--elastic", "--", "train", "--out", str(out), "--resume", "--quiet", *args])
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = [e for e in read_events(out) if e["event"] == "job_resumed"]
+    assert len(resumed) == 1 and resumed[0]["from_checkpoint"] == [0, 1]
+    after = rows(out / "replica0" / "metrics.jsonl")
+    assert after[:4] == before[:4]  # kept as written (wall_s too): steps 0-3 were not trained again
+    assert [r["wall_s"] for r in after[4:6]] != [r["wall_s"] for r in before[4:6]]  # steps 4-5 were
+    for r in ("replica0", "replica1"):
+        want, got = rows(tmp_path / "ref" / r / "metrics.jsonl"), rows(out / r / "metrics.jsonl")
+        keys = [k for k in want[0] if k != "wall_s"]
+        assert [{k: x.get(k) for k in keys} for x in got] == [{k: x.get(k) for k in keys} for x in want], r
+        a, b = final_weights(tmp_path / "ref" / r, 2), final_weights(out / r, 2)
+        assert all(torch.equal(a[s][k], b[s][k]) for s in range(2) for k in a[s]), r
+    job, ref = (json.loads((d / "summary.json").read_text()) for d in (out, tmp_path / "ref"))
+    assert job["final_val_loss"] == ref["final_val_loss"] and job["tokens"] == ref["tokens"]

@@ -42,8 +42,8 @@ def cmd_train(args) -> int:
 
         check_elastic(cfg)
         if args.resume:
-            raise ConfigError("--resume of an elastic job is not supported yet: a replica that restarts recovers from a "
-                              "live peer; start the job again with another --out (or --overwrite)")
+            raise ConfigError("an elastic job resumes through its launcher: thinpipe launch --elastic --resume -- train "
+                              "--out ... (each replica continues from its newest checkpoint)")
         summary = train_elastic(cfg, args.out, progress=not args.quiet)
         if summary is not None:
             print_summary(summary, replica_folder(Path(args.out), summary["replica"], summary["restart"]))

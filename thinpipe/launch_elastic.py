@@ -35,8 +35,9 @@ from pathlib import Path
 
 from torchft.coordination import LighthouseServer
 
+from thinpipe.checkpoint import has_checkpoint
 from thinpipe.config import ConfigError, load_config
-from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, check_elastic, quiet_torchft,
+from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, RESUME_ENV, check_elastic, quiet_torchft,
                                      replica_folder)
 from thinpipe.events import EVENTS, append_event, read_events
 from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
@@ -60,10 +61,12 @@ def claim_job(out: Path, overwrite: bool) -> None:
 
 
 class Replica:
-    """One replica's processes (its stages) and how often it was started."""
+    """One replica's processes (its stages), the folder they write (``attempt``: replica{r}-restart{attempt})
+    and how often this launch restarted it."""
 
-    def __init__(self, index: int):
-        self.index, self.restarts, self.procs = index, 0, []
+    def __init__(self, index: int, attempt: int = 0, resume: bool = False):
+        self.index, self.attempt, self.top, self.resume = index, attempt, attempt, resume
+        self.restarts, self.procs = 0, []
         self.state = "running"  # running | finished | given_up
 
     def codes(self) -> list[int | None]:
@@ -82,14 +85,16 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     cfg = load_config(known.config, known.set)
     check_elastic(cfg)
     validate_names(cfg)  # before any process starts: a bad model or data name is one line here, not R x PP
-    if known.resume:
-        raise ConfigError("--resume of an elastic job is not supported yet: start it again with another --out")
     dp, pp = cfg.mesh.dp, cfg.mesh.pp
     if nproc is not None and nproc != dp * pp:
         raise ConfigError(f"--nproc {nproc} does not match an elastic job of mesh.dp x mesh.pp = {dp} x {pp} = {dp * pp} "
                           f"processes: give --nproc {dp * pp} or leave it out")
     out = Path(known.out)
-    claim_job(out, known.overwrite)
+    if known.resume and known.overwrite:
+        raise ConfigError("--resume continues the job in --out, --overwrite replaces it: give one of them")
+    replicas = resume_plan(out, dp) if known.resume else [Replica(r) for r in range(dp)]
+    if not known.resume:
+        claim_job(out, known.overwrite)
     out.mkdir(parents=True, exist_ok=True)
     e = cfg.elastic
     quiet_torchft()  # before the lighthouse starts: the replicas inherit RUST_LOG
@@ -107,11 +112,15 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     address = lighthouse.address()
     say(f"[thinpipe launch] elastic job: {dp} replicas x {pp} stages, lighthouse at {address}, up to {max_restarts} "
         f"restarts per replica; events in {out / EVENTS}")
-    replicas = [Replica(r) for r in range(dp)]
+    if known.resume:
+        append_event(out, "job_resumed", folders={rep.index: replica_folder(out, rep.index, rep.attempt).name
+                                                  for rep in replicas}, from_checkpoint=[rep.index for rep in replicas
+                                                                                         if rep.resume])
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     t0 = time.time()
-    cmd = [sys.executable, "-m", "thinpipe", *[a for a in args if a not in ("--overwrite",)], "--engine", "elastic"]
+    cmd = [sys.executable, "-m", "thinpipe", *[a for a in args if a not in ("--overwrite", "--resume")], "--engine",
+           "elastic"]
     try:
         for rep in replicas:
             _start(rep, cmd, pp, address, out, t0)
@@ -137,13 +146,13 @@ def _start(rep: Replica, cmd: list[str], pp: int, lighthouse: str, out: Path, t0
     for s in range(pp):
         env = {**os.environ, "RANK": str(s), "WORLD_SIZE": str(pp), "LOCAL_RANK": str(s), "LOCAL_WORLD_SIZE": str(pp),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
-               REPLICA_ENV: str(rep.index), RESTART_ENV: str(rep.restarts), LIGHTHOUSE_ENV: lighthouse,
-               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+               REPLICA_ENV: str(rep.index), RESTART_ENV: str(rep.attempt), LIGHTHOUSE_ENV: lighthouse,
+               RESUME_ENV: "1" if rep.resume else "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         rep.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
     rep.state = "running"
     append_event(out, "replica_started" if rep.restarts == 0 else "replica_restarted", replica=rep.index,
-                 restart=rep.restarts, wall_s=round(time.time() - t0, 3), folder=replica_folder(out, rep.index,
-                                                                                                rep.restarts).name)
+                 restart=rep.attempt, wall_s=round(time.time() - t0, 3), folder=replica_folder(out, rep.index,
+                                                                                               rep.attempt).name)
 
 
 def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: float, max_restarts: int,
@@ -160,7 +169,7 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
                 stage, code = failed[0]
                 _stop(rep.procs, grace_s=5.0)
                 append_event(out, "replica_failed", replica=rep.index, stage=stage, how=_how(code),
-                             restart=rep.restarts, wall_s=round(time.time() - t0, 3))
+                             restart=rep.attempt, wall_s=round(time.time() - t0, 3))
                 if code == USAGE_ERROR:  # a user error (its one line is above): every replica would hit it
                     say(f"[thinpipe launch] replica {rep.index} stopped on an input error (exit 2): stopping the job")
                     append_event(out, "job_stopped", why="an input error", wall_s=round(time.time() - t0, 3))
@@ -176,6 +185,8 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
                     say(f"[thinpipe launch] replica {rep.index} lost (stage {stage}: {_how(code)}); the others go on; "
                         f"restarting it ({rep.restarts + 1} of {max_restarts})")
                     rep.restarts += 1
+                    rep.top = rep.attempt = rep.top + 1  # a new folder; it recovers from a live peer
+                    rep.resume = False
                     _start(rep, cmd, pp, lighthouse, out, t0)
                 else:
                     rep.state = "given_up"
@@ -187,7 +198,8 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
         for rep in replicas:
             # a restarted replica that has not recovered yet when every other one has ended would train
             # alone from the initial weights: it is stopped instead
-            if (rep.state == "running" and rep.restarts and all(o.state != "running" for o in replicas if o is not rep)
+            if (rep.state == "running" and rep.attempt and not rep.resume
+                    and all(o.state != "running" for o in replicas if o is not rep)
                     and not _recovered(out, rep)):
                 _stop(rep.procs, grace_s=5.0)
                 rep.state = "given_up"
@@ -202,8 +214,30 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
 
 
 def _recovered(out: Path, rep: Replica) -> bool:
-    return any(e["event"] == "recovered" and e["replica"] == rep.index and e["restart"] == rep.restarts
+    return any(e["event"] == "recovered" and e["replica"] == rep.index and e["restart"] == rep.attempt
                for e in read_events(out))
+
+
+def resume_plan(out: Path, dp: int) -> list[Replica]:
+    """``--resume``: each replica continues in its newest folder that holds a checkpoint; one with none
+    starts a new folder and recovers from a peer (``engine/elastic.py``)."""
+    if not (out / EVENTS).is_file():
+        raise ConfigError(f"--resume: {out} holds no elastic job (no {EVENTS}); start one without --resume")
+    plan = []
+    for r in range(dp):
+        attempts = sorted(n for p in out.glob(f"replica{r}*") if p.is_dir() and _folder_order(p)[0] == r
+                          for n in [-_folder_order(p)[1]])
+        with_ckpt = [n for n in attempts if has_checkpoint(replica_folder(out, r, n))]
+        if with_ckpt:
+            rep = Replica(r, with_ckpt[-1], resume=True)
+            rep.top = attempts[-1]
+        else:
+            rep = Replica(r, attempts[-1] + 1 if attempts else 0)
+        plan.append(rep)
+    if not any(rep.resume for rep in plan):
+        raise ConfigError(f"--resume: no replica folder in {out} holds a checkpoint (train.checkpoint_every); start "
+                          "the job again with --overwrite")
+    return plan
 
 
 def elastic_summary(out: Path, cfg) -> dict:

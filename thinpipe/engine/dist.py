@@ -32,6 +32,7 @@ from thinpipe.anchor.dist import AnchorStageRank
 from thinpipe.anchor.dist_wiring import anchor_feed, anchor_stage_rank
 from thinpipe.checkpoint import load_part, prune, refuse_legacy, save_part, sets, step_dir, verifies
 
+PART_KEYS = ("step", "world_size", "role", "rank", "boundaries", "bytes", "anchor")  # a rank's part, the rest is extra
 KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
 from thinpipe.boundary import build_boundaries
 from thinpipe.comm import AXES, ByteMeter
@@ -318,8 +319,7 @@ class DistEngine:
                 if unexpected or set(missing) & set(_held(b.state_dict())):  # only placeholders may be absent
                     raise ConfigError(f"--resume: boundary {b.index}'s checkpoint does not match this run "
                                       f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
-        for work in self.rk.load_state_dict(state["rank"]):
-            work.wait()
+        self.load_rank(state)
         # The receiver's copy of shared boundary parameters equals the owner's again (not metered:
         # a resume re-sync, not training traffic).
         row = self.role.replica
@@ -331,7 +331,13 @@ class DistEngine:
         self.meter.totals.update(state["bytes"])
         self._bytes = {a: int(float(sum(r[i] for r in self._gather([float(self.meter.totals[a]) for a in AXES]))))
                        for i, a in enumerate(AXES)}
-        return state["step"], {"val_points": state["val_points"]}
+        # what the run loop and an engine saved besides this rank's state (val_points, an elastic replica's counters)
+        return state["step"], {k: v for k, v in state.items() if k not in PART_KEYS}
+
+    def load_rank(self, state: dict) -> None:
+        """Restore the stage rank; re-posting its syncs in flight talks to the DP group at once."""
+        for work in self.rk.load_state_dict(state["rank"]):
+            work.wait()
 
     # the end ------------------------------------------------------------------------------------
     def finish(self) -> None:

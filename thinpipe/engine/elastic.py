@@ -25,8 +25,10 @@ their torch.distributed world and exit); the launcher (``launch_elastic.py``) re
 heals in. Each replica writes its own run folder ``OUT/replica{r}`` (``-restart{n}`` for its n-th
 restart); quorum changes, rollbacks and recoveries go to ``OUT/events.jsonl``.
 
-Not yet: an anchor circuit, ``train.on_divergence = rollback`` and ``--resume`` of a whole stopped
-elastic job (a replica that restarts recovers from a live peer, not from disk).
+A whole job that stopped (every replica gone, the launcher killed) continues with ``thinpipe
+launch --elastic --resume``: each replica from the newest checkpoint of its newest folder that has
+one (``load``), the ones behind healing from the one ahead at the first quorum. Not yet: an anchor
+circuit and ``train.on_divergence = rollback``.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from thinpipe.comm.recovery import SafeTransport
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config, ConfigError
 from thinpipe.engine.dist import DistEngine, RankSetup, _held, exit_with_launcher
-from thinpipe.engine.run import run
+from thinpipe.engine.run import resolve_resume, run
 from thinpipe.events import append_event
 from thinpipe.log import say
 from thinpipe.mesh import MeshLayout
@@ -59,6 +61,7 @@ from thinpipe.mesh import MeshLayout
 REPLICA_ENV = "REPLICA_GROUP_ID"            # torchft's name for a replica's index
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"       # torchft's: the lighthouse's address
 RESTART_ENV = "THINPIPE_ELASTIC_RESTART"    # the launcher's: how many times this replica was restarted
+RESUME_ENV = "THINPIPE_ELASTIC_RESUME"      # the launcher's: "1" = continue from this replica's folder
 KILL_ENV = "THINPIPE_ELASTIC_KILL"          # tests and the measured run only: "replica:stage:step" SIGKILLs itself
 START_POLL_S = 0.5
 
@@ -115,7 +118,7 @@ def replica_id(replica: int) -> str:
 class ElasticEngine(DistEngine):
     """One stage of one elastic replica, as an engine of the run loop (``run.py``)."""
 
-    def __init__(self, r: RankSetup, replica: int, job: Path, restart: int):
+    def __init__(self, r: RankSetup, replica: int, job: Path, restart: int, resuming: bool = False):
         e = r.cfg.elastic
         timeout = datetime.timedelta(seconds=e.timeout_s)
         self.pg = ProcessGroupGloo(timeout=timeout)
@@ -139,7 +142,9 @@ class ElasticEngine(DistEngine):
         self._restore: dict | None = None       # a rolled-back step's snapshot, applied after the next quorum
         self._peer: dict | None = None          # a live peer's state, received while healing
         self._quorum_id = None
-        self._joined = restart == 0  # a restarted replica first needs a live peer (_wait_for_peer)
+        # a restarted replica first needs a live peer (_wait_for_peer); one resuming from its checkpoint does not
+        self._joined = restart == 0 or resuming
+        self._resuming = resuming
         self.stats = {"rollbacks": 0, "recovered_at_step": None, "recovery_s": None}
         self._kill_at = kill_step(replica, self.role.stage) if restart == 0 else -1
 
@@ -147,9 +152,9 @@ class ElasticEngine(DistEngine):
     def at_step(self, step: int) -> int:
         t0 = time.perf_counter()
         self.manager.start_quorum()
-        if self._quorum_id is None and self.restart == 0 and self.manager.current_step() == 0:
-            # a new job: wait for every replica (each rank of a replica sees the same quorums, so all of
-            # them make the same number of attempts)
+        if self._quorum_id is None and self._joined and (self._resuming or self.manager.current_step() == 0):
+            # a new or resumed job: wait for every replica (each rank of a replica sees the same quorums,
+            # so all of them make the same number of attempts)
             for _ in range(int(self.cfg.elastic.start_timeout_s / START_POLL_S)):
                 if self.manager.num_participants() >= self.cfg.mesh.dp:
                     break
@@ -272,6 +277,24 @@ class ElasticEngine(DistEngine):
         super().save(folder, {**extra, "elastic": {"manager": self.manager.state_dict(), "members": self._members,
                                                    "job_bytes": self._job_bytes, "job_tokens": self._job_tokens}})
 
+    def load(self, folder: Path) -> tuple[int, dict]:
+        """``thinpipe launch --elastic --resume``: this replica's newest checkpoint; torchft's step comes
+        with it, so at the first quorum a replica whose checkpoint is older heals from one ahead."""
+        step, extra = super().load(folder)
+        self._reported = dict(self._bytes)  # this replica's own bytes so far (super().load summed them)
+        e = extra["elastic"]
+        self.manager.load_state_dict(e["manager"])
+        self._members = [int(m) for m in e["members"]]
+        self._job_bytes = {a: int(e["job_bytes"][a]) for a in AXES}
+        self._job_tokens = int(e["job_tokens"])
+        self._bytes = dict(self._job_bytes)
+        return step, extra
+
+    def load_rank(self, state: dict) -> None:
+        # applied after the first quorum: re-posting syncs in flight needs the DP group, and a peer's
+        # newer state may replace it (at_step)
+        self._restore = {"rank": state["rank"], "boundaries": state["boundaries"]}
+
     def summary_extras(self) -> dict:
         return {**super().summary_extras(), "engine": "elastic", "replica": self.replica, "restart": self.restart,
                 "members_at_end": self._members, **self.stats}
@@ -307,7 +330,9 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
         if name not in os.environ:
             raise ConfigError(f"--engine elastic needs ${name}: start it with `thinpipe launch --elastic -- train ...` "
                               "or as docs/elastic.md shows")
-    # restarted by thinpipe launch --elastic, or by torchrun --max-restarts (which counts its own restarts)
+    # restarted by thinpipe launch --elastic, or by torchrun --max-restarts (which counts its own restarts);
+    # resumed (in the folder of that restart) by thinpipe launch --elastic --resume
+    resume = os.environ.get(RESUME_ENV) == "1"
     replica = int(os.environ[REPLICA_ENV])
     restart = int(os.environ.get(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if not 0 <= replica < cfg.mesh.dp:
@@ -315,6 +340,8 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
     check_lighthouse(os.environ[LIGHTHOUSE_ENV])
     job = Path(out)
     folder = replica_folder(job, replica, restart)
+    if resume:
+        cfg = resolve_resume(cfg, folder, True)
     if not dist.is_initialized():
         timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -324,8 +351,8 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
         st = setup.stage
         say(f"[thinpipe replica {replica} stage {setup.role.stage}] layers {st.first_layer}-"
             f"{st.first_layer + len(st.layers) - 1}{f', restart {restart}' if restart else ''}")
-        engine = ElasticEngine(setup, replica, job, restart)
-        return run(engine, cfg, folder, progress=progress)
+        engine = ElasticEngine(setup, replica, job, restart, resuming=resume)
+        return run(engine, cfg, folder, resume=resume, progress=progress)
     finally:
         if engine is not None:
             engine.close()
