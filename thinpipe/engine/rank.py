@@ -3,8 +3,9 @@
 A ``StageRank`` owns its stage module, its two boundaries, its optimizer and its DP state, and
 talks to other ranks only through a transport (point-to-point payloads) and two groups (its
 stage's DP group, its replica's PP group). DP averages divide by the DP group's ``size``: the
-mesh's ``dp``, or, across elastic replicas, the replicas in the current quorum. Each phase of a step that talks to other ranks is a
-generator yielding a ``Work`` whenever it has posted something others must take part in: the
+mesh's ``dp``, or, across elastic replicas, the replicas in the current quorum. Each phase of a
+step that talks to other ranks is a generator yielding a ``Work`` whenever it has posted something
+others must take part in: the
 single-process simulation advances every rank's phase in lockstep (``drive_lockstep``), a real
 process runs its own phase to the end, waiting on each ``Work``. The math is identical either way.
 
