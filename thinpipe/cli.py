@@ -87,39 +87,10 @@ def cmd_launch(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    """Predicted step time, tokens/s, bytes per token and anchor staleness (thinpipe/plan)."""
-    from thinpipe.plan.advice import advise
-    from thinpipe.plan.device import resolve_device
-    from thinpipe.plan.report import print_advice, print_plan
-    from thinpipe.plan.planner import ARCHITECTURES, PRESET_DEVICE, PRESETS, plan
+    """Predicted step time, tokens/s, bytes per token and anchor staleness (``thinpipe/plan/command.py``)."""
+    from thinpipe.plan.command import run_plan
 
-    sets = []
-    if args.preset:
-        if args.preset not in PRESETS:
-            raise ConfigError(f"unknown preset {args.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
-        sets = [f"{k}={v}" for k, v in PRESETS[args.preset].items()]
-    cfg = load_config(args.config, sets + args.set)
-    name = args.device or PRESET_DEVICE.get(args.preset, "a100-40gb")
-    if cfg.train.dtype == "auto":  # as a run resolves it: bf16 on a GPU, fp32 on the CPU
-        cfg.train.dtype = "float32" if name == "cpu" else "bfloat16"
-    if cfg.model.name not in ARCHITECTURES:
-        raise ConfigError(f"thinpipe plan knows no architecture {cfg.model.name!r}: choose one of "
-                          f"{', '.join(sorted(ARCHITECTURES))}")
-    device = resolve_device(name, ARCHITECTURES[cfg.model.name], cfg.train.dtype, args.remeasure)
-    if args.target_tps is not None or args.max_mbps is not None:
-        return print_advice(advise(cfg, device, args.target_tps, args.max_mbps, args.probe, args.max_damage), name,
-                             args.json)
-    if args.replica_mtbf_h is not None and args.replica_mtbf_h <= 0:
-        raise ConfigError(f"--replica-mtbf-h must be > 0 hours, got {args.replica_mtbf_h}")
-    if args.restart_s < 0:
-        raise ConfigError(f"--restart-s must be >= 0 seconds, got {args.restart_s}")
-    result = plan(cfg, device, replica_mtbf_h=args.replica_mtbf_h, restart_s=args.restart_s)
-    result["device"] = name
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    print_plan(result, name)
-    return 0
+    return run_plan(args)
 
 
 def print_summary(summary: dict, out: Path) -> None:

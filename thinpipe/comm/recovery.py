@@ -1,8 +1,8 @@
 """How a joining replica receives a live peer's state: torchft's ``CheckpointTransport``, without pickles.
 
-torchft's own transports unpickle what a peer sends (``HTTPTransport`` loads with
-``weights_only=False``, ``PGTransport`` pickles its metadata), which this project never does with
-anything read from a peer or a file. This one sends the state as the checkpoint files do
+torchft's own transports deserialise what a peer sends with Python's object serialisation
+(``HTTPTransport`` through a full ``torch.load``, ``PGTransport`` for its metadata), which can run
+code and which this project never applies to anything read from a peer or a file. This one sends the state as the checkpoint files do
 (``thinpipe/checkpoint.py``): the tree as JSON (tensors replaced by keys) and the tensors as
 safetensors, over plain HTTP from the sender's rank:
 
