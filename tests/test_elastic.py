@@ -52,7 +52,8 @@ def test_the_recovery_wire_round_trips_a_state_and_never_unpickles():
 def test_a_joiner_that_asks_before_the_state_is_staged_waits_for_it():
     import threading
 
-    tr = SafeTransport(timedelta(seconds=2), host="127.0.0.1")  # how long its server waits for a state to be staged
+    # 2 s: how long its server waits for a state to be staged; the same job key signs and checks it
+    tr = SafeTransport(timedelta(seconds=2), bytes(range(32)), host="127.0.0.1")
     try:
         got = {}
         th = threading.Thread(target=lambda: got.update(s=tr.recv_checkpoint(0, tr.metadata(), 5, timedelta(seconds=10))))

@@ -12,7 +12,7 @@ import torch
 
 from thinpipe.boundary.base import Payload
 from thinpipe.comm.shaped import DueQueue, ShapedLink
-from thinpipe.comm.header import PayloadError, decode_header, encode_header
+from thinpipe.comm.header import Expect, PayloadError, decode_header, encode_header
 
 
 def sample_payload():
@@ -110,6 +110,7 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
         from thinpipe.boundary.base import Payload
         from thinpipe.comm import ByteMeter
         from thinpipe.comm.dist import DistTransport
+        from thinpipe.comm.header import Expect
         from thinpipe.comm.shaped import ShapedLink
         from thinpipe.comm.tags import Activation, Gradient
         from thinpipe.mesh import MeshLayout
@@ -120,18 +121,19 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
                      "mask": torch.rand(4) > 0.5, "big": torch.randn(250_000)})
         meter = ByteMeter()
         link = ShapedLink(rate_mbps=80.0)
-        t = DistTransport(MeshLayout(1, 2), rank, meter, lambda axis, peer: link if axis == "pp_fwd" else None)
+        t = DistTransport(MeshLayout(1, 2), rank, meter, lambda axis, peer: link if axis == "pp_fwd" else None,
+                          key=bytes(32), label="test")
         F, B = Activation(0, 0, 0), Gradient(0, 0, 0)
         if rank == 0:
             t0 = time.perf_counter()
             t.send(F, p, "pp_fwd")
             handed = time.perf_counter() - t0   # the sender thread holds the message, not the caller
             t.flush()
-            back = t.recv(B)
+            back = t.recv(B, Expect(max_bytes=24))
             print("elapsed", time.perf_counter() - t0, "bytes", meter.totals["pp_fwd"], "handed", handed, flush=True)
             assert torch.equal(back.tensors["g"], torch.full((3,), 7, dtype=torch.int64))
         else:
-            got = t.recv(F)
+            got = t.recv(F, Expect.like(p))
             for k, v in p.tensors.items():
                 assert got.tensors[k].dtype == v.dtype and torch.equal(got.tensors[k], v), k
             t.send(B, Payload({"g": torch.full((3,), 7, dtype=torch.int64)}), "pp_bwd")
@@ -163,13 +165,14 @@ def test_both_transports_refuse_a_message_without_a_typed_tag():
 
     payload = Payload({"x": torch.zeros(2)})
     box = Mailbox(ByteMeter())
-    real = DistTransport(MeshLayout(1, 2), 0, ByteMeter())
+    real = DistTransport(MeshLayout(1, 2), 0, ByteMeter(), key=bytes(32), label="test")
+    any_ = Expect(max_bytes=8)
     for bad in [(0, "F", 0, 0), "F", ("pull",)]:
-        for call in (lambda: box.send(bad, payload, "pp_fwd"), lambda: box.recv(bad),
-                     lambda: real.send(bad, payload, "pp_fwd"), lambda: real.recv(bad)):
+        for call in (lambda: box.send(bad, payload, "pp_fwd"), lambda: box.recv(bad, any_),
+                     lambda: real.send(bad, payload, "pp_fwd"), lambda: real.recv(bad, any_)):
             with pytest.raises(TypeError, match="unknown message tag"):
                 call()
     box.send(Activation(0, 0, 0), payload, "pp_fwd")
-    assert box.recv(Activation(0, 0, 0)) is payload
+    assert box.recv(Activation(0, 0, 0), any_) is payload
     with pytest.raises(ValueError, match="not an end"):
         Activation(0, 0, 0).peer(MeshLayout(1, 3), 2)  # boundary 0 joins ranks 0 and 1

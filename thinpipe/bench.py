@@ -38,6 +38,7 @@ from thinpipe.comm.netns import KERNEL_BURST_BYTES
 from thinpipe.config import ConfigError
 from thinpipe.comm.header import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
+from thinpipe.runlock import check_out_path
 
 BASE = {"model.name": "tiny-llama", "data.name": "synthetic", "mesh.pp": 2, "train.batch_size": 4,
         "train.seq_len": 64, "train.microbatches": 2, "train.lr": 1e-3, "train.checkpoint_every": 0}
@@ -134,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="thinpipe bench", description=__doc__.splitlines()[0])
+    ap.error = lambda message: ap.exit(2, f"error: thinpipe bench: {message} (see thinpipe bench --help)\n")  # one line
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--calibration-steps", type=int, default=60)
     ap.add_argument("--pp-mbps", type=float, default=4.0)
@@ -153,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if min(args.pp_mbps, args.dp_mbps) <= 0 or args.latency_ms < 0:
         raise ConfigError("--pp-mbps and --dp-mbps must be > 0 and --latency-ms >= 0")
+    if Path(args.out).is_dir():  # written after minutes of runs: checked before them
+        raise ConfigError(f"--out {args.out} is a folder: give the path of the JSON file to write")
+    check_out_path(Path(args.out).parent)
     arms = {k: v for k, v in ARMS.items() if not only or k in only}
     results, failed = {}, {}
     with tempfile.TemporaryDirectory() as tmp:

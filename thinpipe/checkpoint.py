@@ -18,6 +18,8 @@ saving, so no state can need a pickle).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import math
@@ -36,6 +38,7 @@ from thinpipe.config import ConfigError
 
 FORMAT = 1
 STEP_DIR = re.compile(r"step(\d{8})$")
+OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
 class CheckpointError(ConfigError):
@@ -172,14 +175,26 @@ def step_dir(root: Path, step: int) -> Path:
 
 def save_part(folder: Path, part: str, state) -> None:
     """Write ``state`` as part ``part`` of the set in ``folder`` (tensors, tree, then the digests)."""
-    folder.mkdir(parents=True, exist_ok=True)
     skeleton, tensors = encode_tree(state)
     st, js = folder / f"{part}.safetensors", folder / f"{part}.json"
-    _write_atomic(st, lambda tmp: save_file(tensors, tmp, metadata={"format": str(FORMAT)}))
-    _killed_here_in_tests(folder)
-    _write_atomic(js, lambda tmp: Path(tmp).write_text(json.dumps({"format": FORMAT, "state": skeleton})))
-    digests = {st.name: _sha256(st), js.name: _sha256(js)}
-    _write_atomic(folder / f"{part}.sha256", lambda tmp: Path(tmp).write_text(json.dumps(digests)))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(st, lambda tmp: save_file(tensors, tmp, metadata={"format": str(FORMAT)}))
+        _killed_here_in_tests(folder)
+        _write_atomic(js, lambda tmp: Path(tmp).write_text(json.dumps({"format": FORMAT, "state": skeleton})))
+        digests = {st.name: _sha256(st), js.name: _sha256(js)}
+        _write_atomic(folder / f"{part}.sha256", lambda tmp: Path(tmp).write_text(json.dumps(digests)))
+    except (OSError, SafetensorError) as e:
+        # nothing is lost: the part has no digests, so it is incomplete and --resume takes the set before it.
+        # safetensors reports the OS's error in its message: "I/O error: No space left on device (os error 28)"
+        code = e.errno if isinstance(e, OSError) else int(m.group(1)) if (m := OS_ERROR.search(str(e))) else None
+        if code is None:
+            raise
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(f"no space left on device while writing the checkpoint in {folder}: free space "
+                                  "and run again with --resume") from None
+        raise CheckpointError(f"cannot write the checkpoint in {folder} ({os.strerror(code)}): fix that and run "
+                              "again with --resume") from None
 
 
 def part_complete(folder: Path, part: str) -> bool:
@@ -220,11 +235,44 @@ def load_part(folder: Path, part: str):
         tensors = load_file(folder / f"{part}.safetensors")
         doc = json.loads((folder / f"{part}.json").read_text())
     except (SafetensorError, ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{folder / part}: unreadable checkpoint part ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CheckpointError(f"{folder / part}: unreadable checkpoint part ({_line(e)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{folder / f'{part}.json'} nests values thousands deep, which thinpipe never "
+                              "writes: the file was edited") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or "state" not in doc:
         raise CheckpointError(f"{folder / f'{part}.json'}: checkpoint format {doc.get('format') if isinstance(doc, dict) else '?'}"
                               f" is not {FORMAT}")
-    return decode_tree(doc["state"], tensors)
+    try:
+        return decode_tree(doc["state"], tensors)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError) as e:  # a marker of a foreign shape
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{folder / f'{part}.json'} holds a value thinpipe did not write ({type(e).__name__}: "
+                              f"{_line(e)}): the file was edited") from None
+
+
+def _line(e: Exception) -> str:
+    """An exception's message on one line (torch's and safetensors' span several)."""
+    return " ".join(str(e).split())[:200]
+
+
+@contextlib.contextmanager
+def restoring(root: Path):
+    """Around restoring a loaded state into a run: a state whose digests verify but which is not what this
+    thinpipe saves (a hand-edited part with recomputed digests, keys or types changed) fails in one line
+    instead of a ``KeyError`` deep in the engine."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        # torch's load_state_dict raises RuntimeError for missing keys and shapes; any other
+        # RuntimeError (a peer that died during a dist resume) is not the checkpoint's fault
+        if isinstance(e, RuntimeError) and "state_dict" not in str(e):
+            raise
+        why = f"no key {e}" if isinstance(e, KeyError) else _line(e)
+        raise CheckpointError(f"the checkpoint in {root} does not hold the state thinpipe saves ({why}): it was edited "
+                              "or written by another version; restore its files, or train again") from None
 
 
 def sets(root: Path) -> list[tuple[int, Path]]:
@@ -244,13 +292,14 @@ def latest_complete(root: Path, part: str, warn=None) -> tuple[int, object] | No
         try:
             state = load_part(folder, part)
         except CheckpointError as e:
-            errors.append(str(e))
-            if warn is not None:
-                warn(f"[thinpipe] skipping checkpoint step {step}: {e}")
+            errors.append((step, str(e)))
             continue
+        if warn is not None:  # only when an older set is used: with none usable, the error alone says it
+            for skipped, why in errors:
+                warn(f"[thinpipe] skipping checkpoint step {skipped}: {why}")
         return step, state
     if errors:
-        raise CheckpointError(f"no usable checkpoint in {root}: {errors[0]}")
+        raise CheckpointError(f"no usable checkpoint in {root}: {errors[0][1]}")
     return None
 
 

@@ -1,4 +1,5 @@
-"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | compare | export | prune | analyze | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | compare | export | prune | analyze |
+keygen | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -13,27 +14,51 @@ import re
 import sys
 from pathlib import Path
 
+from thinpipe.comm.jobkey import KEY_ENV, write_key_file
 from thinpipe.config import ConfigError, Diverged, load_config
-from thinpipe.plugins import load_plugins
-from thinpipe.preflight import check_run, claim_out, validate_names, validate_tasks
+from thinpipe.config.errors import report
+from thinpipe.eval.sandbox import SandboxUnavailable
+from thinpipe.log import say
+from thinpipe.plugins import PluginError, load_plugins
+from thinpipe.preflight import check_out, check_run, claim_out, validate_names, validate_tasks
+from thinpipe.runlock import RunLock, check_out_path, take_run_lock
 
 EXIT_USAGE = 2
 EXIT_DIVERGED = 3
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
+    out = Path(args.out)
     if args.engine != "elastic":  # an elastic job's folder is its launcher's to claim (replicas write sub-folders)
-        claim_out(Path(args.out), args.resume, args.overwrite)
+        check_out(out, args.resume, args.overwrite)
     if args.init_from and args.engine == "elastic":
         raise ConfigError("--init-from is not taken by --engine elastic (its replicas would each export the weights): "
                           "export once with `thinpipe export` and give the folder as --set model.name=FOLDER")
+    init = None
     if args.init_from:
-        from thinpipe.runs import init_weights
+        from thinpipe.runs import read_init
 
         if args.resume:
             raise ConfigError("--init-from starts a new run from other weights, --resume continues this one: give one")
-        cfg.model.init_from = str(Path(args.init_from).resolve())
-        cfg.model.name = str(init_weights(args.init_from, Path(args.out) / "init"))
-    validate_names(cfg)
+        # read before --overwrite removes anything (the process that removes holds the weights first)
+        init = read_init(args.init_from, out, load=os.environ.get("LOCAL_RANK", "0") == "0")
+    else:
+        validate_names(cfg)  # before the folder is made
+    # one job per folder (runlock.py): a rank of `thinpipe launch` is not refused, rank 0 of torchrun takes it
+    lock = RunLock() if args.engine == "elastic" else take_run_lock(
+        out, lead=args.engine != "dist" or os.environ.get("RANK", "0") == "0", create=not args.resume)
+    with lock:
+        if args.engine != "elastic":
+            claim_out(out, args.resume, args.overwrite)
+        if init is not None:
+            from thinpipe.runs import init_weights
+
+            cfg.model.init_from = str(Path(args.init_from).resolve())
+            cfg.model.name = str(init_weights(init, out / "init"))
+            validate_names(cfg)
+        return _train(args, cfg)
+
+
+def _train(args, cfg) -> int:
     if args.engine == "elastic":
         # torchft is needed only here (an optional dependency: pip install torchft); its Rust logger
         # reads RUST_LOG when imported: per-quorum INFO lines off (thinpipe writes events.jsonl)
@@ -70,6 +95,12 @@ def cmd_launch(args) -> int:
     in its own network namespace (``--netns``, kernel-shaped links)."""
     from thinpipe.launch import launch
 
+    rest = [a for a in args.rest if a != "--"]
+    if rest[:1] == ["train"]:  # the ranks' arguments, checked once here: argparse's line once, not once per rank
+        try:
+            build_parser().parse_args(rest)
+        except SystemExit as e:
+            return int(e.code or 0)
     if args.elastic:
         os.environ.setdefault("RUST_LOG", "warn")  # as in cmd_train, before torchft is imported
         from thinpipe.launch_elastic import launch_elastic
@@ -120,6 +151,10 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1 or args.timeout <= 0:
         raise ConfigError(f"--max-new-tokens must be >= 1 and --timeout > 0, got {args.max_new_tokens}, {args.timeout}")
+    if args.samples and Path(args.samples).is_dir():
+        raise ConfigError(f"--samples {args.samples} is a folder: give the path of the JSON file to write")
+    if args.samples:
+        check_out_path(Path(args.samples).parent, "--samples")  # written after the evaluation: checked before it
     logits_fn, tokenizer, model = _eval_model(args.model, args.device)
     from thinpipe.eval import evaluate_mc
     from thinpipe.eval.generative import evaluate_generative, logits_generate
@@ -181,6 +216,8 @@ def cmd_compare(args) -> int:
     """Runs side by side: held-out loss for bytes (``thinpipe/compare.py``)."""
     from thinpipe.compare import compare, format_table, write
 
+    if args.out:
+        check_out_path(Path(args.out))
     result = compare(args.runs)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -196,7 +233,7 @@ def cmd_export(args) -> int:
 
     run = Path(args.run)
     check_run(run)
-    out = export(run, args.out)
+    out = export(run, args.out, overwrite=args.overwrite)
     print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
@@ -207,6 +244,8 @@ def cmd_prune(args) -> int:
 
     run = Path(args.run)
     check_run(run)
+    if args.out:
+        check_out_path(Path(args.out))
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     validate_tasks(tasks)
     if args.limit is not None and args.limit < 1:
@@ -247,6 +286,8 @@ def cmd_probe(args) -> int:
 
     cfg = load_config(args.config, ([f"model.name={args.model}"] if args.model else []) + args.set)
     validate_names(cfg)
+    if args.out:
+        check_out_path(Path(args.out))
     return command(cfg, args)
 
 
@@ -346,7 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("export", help="write a run's weights as a Hugging Face model folder")
     x.add_argument("--run", required=True)
-    x.add_argument("--out", required=True)
+    x.add_argument("--out", required=True, help="a new or empty folder, or an earlier export with --overwrite")
+    x.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only its own files; "
+                                                            "any other non-empty folder is refused)")
     x.set_defaults(func=cmd_export)
 
     pr = sub.add_parser("prune", help="post-hoc global magnitude pruning at several sparsities, re-evaluated (§5.5)")
@@ -382,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--out", help="write compare.json and compare.png (held-out loss against step and PP bytes) here")
     cp.add_argument("--json", action="store_true", help="print JSON instead of the table")
     cp.set_defaults(func=cmd_compare)
+    k = sub.add_parser("keygen", help="write a new job key (for a dist job across machines: docs/security.md)")
+    k.add_argument("file", metavar="KEYFILE", help="where to write it (mode 0600; never overwritten)")
+    k.set_defaults(func=cmd_keygen)
     d = sub.add_parser("demo", help="the main job: SmolLM2 on math, 4 stages, dense vs M95")
     d.add_argument("--out", default="runs/demo")
     d.add_argument("--quick", action="store_true", help="tiny model, seconds (for tests)")
@@ -389,9 +435,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def cmd_keygen(args) -> int:
+    path = write_key_file(args.file)
+    say(f"wrote a job key to {path}: copy it to every machine of the job (scp; never into a config or a run folder) "
+        f"and set {KEY_ENV}={path} for each rank")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    load_plugins()  # boundary kinds named in THINPIPE_PLUGINS (plugins.py)
+    try:
+        load_plugins()  # boundary kinds named in THINPIPE_PLUGINS (plugins.py)
+    except PluginError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if argv[:1] == ["bench"]:  # its own options (thinpipe/bench.py)
         from thinpipe.bench import main as bench
 
@@ -400,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
+        except SystemExit as e:  # --help (0) or a usage error, already printed as one line (2)
+            return int(e.code or 0)
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -408,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except ConfigError as e:
+        report(str(e))  # a rank of `thinpipe launch` hands it to the launcher: the job prints it once
+        return EXIT_USAGE
+    except SandboxUnavailable as e:  # a machine that cannot isolate generated code: it is never run
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except Diverged as e:

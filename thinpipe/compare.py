@@ -14,13 +14,52 @@ import tomllib
 from pathlib import Path
 
 from thinpipe.config import ConfigError
+from thinpipe.jsonl import read_rows
 
 AXES_SHOWN = ("pp_fwd", "pp_bwd", "dp", "anchor")
+MISTYPED = (KeyError, TypeError, ValueError, IndexError, OverflowError)  # a value missing or of the wrong type
 
 
 def _rows(folder: Path) -> list[dict]:
-    path = folder / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+    return read_rows(folder / "metrics.jsonl")  # a cut-off last line (a run killed mid-row): dropped, with a warning
+
+
+def _read(path: Path, parse, fix: str):
+    """``parse`` of a run file's text; a file that is not UTF-8 or does not parse is one line naming it."""
+    try:
+        return parse(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start + 1}): {fix}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests values thousands deep, which thinpipe never writes: {fix}") from None
+    except ValueError as e:  # json's and tomllib's errors; a cut-off file ends in one
+        raise ConfigError(f"{path} is cut off or not {'JSON' if parse is json.loads else 'TOML'} "
+                          f"({_why(e)}): {fix}") from None
+
+
+def _why(e: Exception) -> str:
+    return f"no {e}" if isinstance(e, KeyError) else (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def _summary(s) -> tuple[list, int, dict, float | None, dict]:
+    """(val points, tokens, bytes per token, tokens/s, bytes) of a summary.json; TypeError, KeyError or
+    ValueError where a value is missing or of the wrong type (a hand-edited or foreign file)."""
+    if not isinstance(s, dict):
+        raise TypeError(f"a JSON {type(s).__name__}, not an object")
+    points = [(int(p[0]), float(p[1])) for p in s["val_points"]]
+    per_token = {str(k): float(v) for k, v in dict(s["bytes_per_token"]).items()}
+    tps = None if s["tokens_per_s"] is None else float(s["tokens_per_s"])
+    end = {int(s["steps"]): float(s.get("pp_fwd_bytes", 0)) + float(s.get("pp_bwd_bytes", 0))}
+    return points, int(s["tokens"]), per_token, tps, end
+
+
+def _running(rows: list[dict]) -> tuple[list, int, dict, float | None]:
+    """(val points, tokens, bytes per token, tokens/s) of a run still training, from its metrics rows."""
+    points = [(int(r["step"]) + 1, float(r["val_loss"])) for r in rows if "val_loss" in r]
+    last = rows[-1]
+    tokens, wall = int(last["tokens"]), float(last["wall_s"])
+    per_token = {k[:-6]: float(last[k]) / tokens if tokens else 0.0 for k in last if k.endswith("_bytes")}
+    return points, tokens, per_token, tokens / wall if wall > 0 else None
 
 
 def load(folder: str | Path) -> dict:
@@ -29,31 +68,41 @@ def load(folder: str | Path) -> dict:
     if not (folder / "config.toml").is_file():
         raise ConfigError(f"{folder} is not a thinpipe run folder (no config.toml): give --out folders of "
                           "`thinpipe train`")
-    cfg = tomllib.loads((folder / "config.toml").read_text())
+    cfg = _read(folder / "config.toml", tomllib.loads, "restore the run's config.toml")
+    b = cfg.get("boundary")
+    kind = b.get("kind") if isinstance(b, dict) else None
+    if not isinstance(kind, str):
+        raise ConfigError(f"{folder / 'config.toml'} has no [boundary] kind = \"...\": restore the run's config.toml")
     rows = _rows(folder)
     done = (folder / "summary.json").is_file()
+    try:
+        by_step = {int(r["step"]) + 1: float(r.get("pp_fwd_bytes", 0)) + float(r.get("pp_bwd_bytes", 0)) for r in rows}
+    except MISTYPED as e:
+        raise ConfigError(f"{folder / 'metrics.jsonl'}: a row is not one thinpipe wrote ({_why(e)}): restore the "
+                          "file") from None
     if done:
-        s = json.loads((folder / "summary.json").read_text())
-        points = [tuple(p) for p in s["val_points"]]
-        tokens, per_token, tps = s["tokens"], s["bytes_per_token"], s["tokens_per_s"]
+        s = _read(folder / "summary.json", json.loads, "delete it to compare the run from its metrics.jsonl, or "
+                                                       "train it again")
+        try:
+            points, tokens, per_token, tps, end = _summary(s)
+        except MISTYPED as e:
+            raise ConfigError(f"{folder / 'summary.json'} is not a summary thinpipe wrote ({_why(e)}): delete it to "
+                              "compare the run from its metrics.jsonl") from None
+        by_step.update(end)
     else:
         if not rows:
             raise ConfigError(f"{folder} has no metrics yet (the run has not finished a step): compare it later")
-        points = [(r["step"] + 1, r["val_loss"]) for r in rows if "val_loss" in r]
-        last = rows[-1]
-        tokens = last["tokens"]
-        per_token = {k[:-6]: last[k] / tokens for k in last if k.endswith("_bytes")}
-        tps = tokens / last["wall_s"] if last["wall_s"] > 0 else None
+        try:
+            points, tokens, per_token, tps = _running(rows)
+        except MISTYPED as e:
+            raise ConfigError(f"{folder / 'metrics.jsonl'}: a row is not one thinpipe wrote ({_why(e)}): restore the "
+                              "file") from None
     if not points:
         raise ConfigError(f"{folder} has no held-out loss yet: set eval.every, or wait for it to finish")
-    by_step = {r["step"] + 1: r.get("pp_fwd_bytes", 0) + r.get("pp_bwd_bytes", 0) for r in rows}
     by_step[0] = 0
-    if done:
-        by_step[s["steps"]] = s.get("pp_fwd_bytes", 0) + s.get("pp_bwd_bytes", 0)
-    b = cfg["boundary"]
     return {
-        "run": folder.name, "path": str(folder), "finished": done, "kind": b["kind"],
-        "dense": b["kind"] == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
+        "run": folder.name, "path": str(folder), "finished": done, "kind": kind,
+        "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
         "best_val_loss": min(p[1] for p in points), "final_val_loss": points[-1][1],
         "bytes_per_token": {a: per_token.get(a, 0.0) for a in AXES_SHOWN},
         "pp_bytes_per_token": per_token.get("pp_fwd", 0.0) + per_token.get("pp_bwd", 0.0),
@@ -71,7 +120,8 @@ def compare(folders: list[str | Path]) -> dict:
     for r in runs:  # no ratio where either sends no PP bytes (mesh.pp = 1)
         r["pp_compression"] = (dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]
                                if dense and dense["pp_bytes_per_token"] and r["pp_bytes_per_token"] else None)
-        r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense else None
+        r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense and dense["final_val_loss"] \
+            else None
     return {"dense": dense["run"] if dense else None, "runs": runs}
 
 

@@ -12,18 +12,26 @@ kernel-shaped links (``comm/netns.py``); the namespaces are deleted whatever hap
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
+from pathlib import Path
 
 from thinpipe.comm import netns as nets
+from thinpipe.comm.bind import BIND_ENV, LOOPBACK
+from thinpipe.comm.jobkey import KEY_ENV, write_key_file
 from thinpipe.config import ConfigError, load_config
+from thinpipe.config.errors import rank_errors
 from thinpipe.log import say
 from thinpipe.mesh import MeshLayout
+from thinpipe.runlock import RunLock, take_run_lock
 
 NETNS_PORT = 29500  # inside the job's own namespaces: no other job can hold it
 
@@ -41,15 +49,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def job_key_env():
+    """The environment that gives a job's ranks their job key: the user's (``$THINPIPE_JOB_KEY_FILE``)
+    or a new one, in a private folder (mode 0700) that is removed with the job (docs/security.md)."""
+    if os.environ.get(KEY_ENV):
+        yield {}
+        return
+    with tempfile.TemporaryDirectory(prefix="thinpipe-job-") as folder:
+        yield {KEY_ENV: str(write_key_file(Path(folder) / "job.key"))}
+
+
 def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
     args = train_args(rest)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config")
     p.add_argument("--set", action="append", default=[])
+    p.add_argument("--out")
+    p.add_argument("--resume", action="store_true")
     known, _ = p.parse_known_args(args[1:])
     cfg = load_config(known.config, known.set)
     layout = MeshLayout(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.anchor)
     layout.check_world(nproc)  # before starting (or building) anything
+    # the job's folder lock (runlock.py), held here for the ranks: they inherit its name and are not refused
+    lock = take_run_lock(Path(known.out), job=True, create=not known.resume) if known.out else RunLock()
     ns = None
     if netns:
         nets.check_available()
@@ -61,12 +84,15 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
     # cleanup's wait() would then hang forever.
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    keys = contextlib.ExitStack()  # the job key's folder goes when the ranks have stopped
     try:
+        key_env = keys.enter_context(job_key_env())
+        error_env, rank_errors_found = keys.enter_context(rank_errors())  # the ranks' error lines (config/errors.py)
         port = NETNS_PORT if ns else _free_port()
         for i in range(nproc):
-            env = {**os.environ, "RANK": str(i), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(i),
-                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": ns.addr(0) if ns else "127.0.0.1",
-                   "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
+            env = {**os.environ, **key_env, **error_env, "RANK": str(i), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(i),
+                   "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": ns.addr(0) if ns else LOOPBACK,
+                   "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1", BIND_ENV: ns.addr(i) if ns else LOOPBACK,
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
             cmd = [sys.executable, "-m", "thinpipe", *args, "--engine", "dist"]
             if ns:
@@ -77,11 +103,17 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
             say(f"[thinpipe launch] {nproc} ranks in network namespaces {ns.ranks[0]}..{ns.ranks[-1]} "
                 f"({len(rates)} shaped links)")
         code = _supervise(procs, layout, interrupted)
+        if code and (found := rank_errors_found()):  # a bad input the ranks found: each distinct line once
+            for line in found[1:]:
+                say(f"error: {line}")
+            raise ConfigError(found[0])
         if code == INTERRUPTED:
             say("[thinpipe launch] interrupted: stopping every rank")
         return code
     finally:
         _stop(procs)
+        keys.close()
+        lock.release()
         if ns:
             nets.delete(ns)
         signal.signal(signal.SIGINT, previous)
@@ -109,8 +141,9 @@ def _supervise(procs: list[subprocess.Popen], layout: MeshLayout, interrupted: t
                 say(f"[thinpipe launch] warning: anchor rank {rank} (stage {role.stage}) died with {_how(code)}; "
                     "the fast circuit goes on without anchor priors")
                 continue
-            say(f"[thinpipe launch] Root Cause: rank {rank} ({role.circuit} replica {role.replica}, stage "
-                f"{role.stage}) failed with {_how(code)}; stopping the other ranks")
+            if code != 2:  # 2: a bad input, which the rank reported (its line is the cause)
+                say(f"[thinpipe launch] Root Cause: rank {rank} ({role.circuit} replica {role.replica}, stage "
+                    f"{role.stage}) failed with {_how(code)}; stopping the other ranks")
             _stop(procs)
             return 1
         if all(c == 0 for r, c in enumerate(codes) if layout.role(r).circuit == "fast"):

@@ -23,8 +23,10 @@ Across machines the same job is one ``torchft_lighthouse`` and one torchrun per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -35,29 +37,40 @@ from pathlib import Path
 
 from torchft.coordination import LighthouseServer
 
+from thinpipe.comm.bind import BIND_ENV, LOOPBACK, bind_address
 from thinpipe.checkpoint import has_checkpoint
 from thinpipe.config import ConfigError, load_config
-from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, RESUME_ENV, check_elastic, quiet_torchft,
-                                     replica_folder)
+from thinpipe.engine.elastic import (LIGHTHOUSE_ENV, REPLICA_ENV, RESTART_ENV, RESUME_ENV, advertised, check_elastic,
+                                     quiet_torchft, replica_folder)
 from thinpipe.events import EVENTS, append_event, read_events
-from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, train_args
+from thinpipe.launch import INTERRUPTED, _free_port, _how, _stop, job_key_env, train_args
+from thinpipe.jsonl import read_rows
 from thinpipe.log import say
-from thinpipe.preflight import validate_names
+from thinpipe.preflight import made_by_thinpipe, validate_names
+from thinpipe.runlock import RunLock, check_out_path, take_run_lock
 
 USAGE_ERROR = 2  # the CLI's exit code for bad input: restarting would only repeat it
 JOB_FILES = (EVENTS, "summary.json", "metrics.jsonl", "config.toml")
 REPLICA_KEYS = ("replica", "restart", "members_at_end", "rollbacks", "recovered_at_step", "recovery_s", "world_size")
 
 
-def claim_job(out: Path, overwrite: bool) -> None:
-    held = sorted([n for n in JOB_FILES if (out / n).exists()] + [p.name for p in out.glob("replica*")])
-    if not held:
-        return
-    if not overwrite:
+def claim_job(out: Path, overwrite: bool, resume: bool = False) -> RunLock:
+    """The job's folder lock (``runlock.py``: its replicas inherit it), then with --overwrite the files of
+    the earlier job removed: its own names and replica folders only, and only from a thinpipe folder."""
+    check_out_path(out)
+    folders = [p.name for p in out.glob("replica*") if p.is_dir() and re.fullmatch(r"replica\d+(-restart\d+)?", p.name)]
+    held = sorted([n for n in JOB_FILES if (out / n).exists()] + folders)
+    if held and not resume and not overwrite:
         raise ConfigError(f"--out {out} holds an elastic job ({', '.join(held[:4])}{', ...' if len(held) > 4 else ''}): "
                           "add --overwrite to replace it, or choose another --out")
-    for n in held:
-        shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+    if held and not resume and not made_by_thinpipe(out):
+        raise ConfigError(f"--out {out} holds {', '.join(held[:4])} but no thinpipe job: --overwrite removes only a "
+                          "job's files; choose another --out")
+    lock = take_run_lock(out, job=True)
+    if not resume:
+        for n in held:
+            shutil.rmtree(out / n) if (out / n).is_dir() and not (out / n).is_symlink() else (out / n).unlink()
+    return lock
 
 
 class Replica:
@@ -68,6 +81,7 @@ class Replica:
         self.index, self.attempt, self.top, self.resume = index, attempt, attempt, resume
         self.restarts, self.procs = 0, []
         self.state = "running"  # running | finished | given_up
+        self.env: dict[str, str] = {}  # what every process of the job gets besides os.environ (its job key)
 
     def codes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
@@ -93,23 +107,14 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     if known.resume and known.overwrite:
         raise ConfigError("--resume continues the job in --out, --overwrite replaces it: give one of them")
     replicas = resume_plan(out, dp) if known.resume else [Replica(r) for r in range(dp)]
-    if not known.resume:
-        claim_job(out, known.overwrite)
-    out.mkdir(parents=True, exist_ok=True)
+    lock = claim_job(out, known.overwrite, known.resume)
     e = cfg.elastic
     quiet_torchft()  # before the lighthouse starts: the replicas inherit RUST_LOG
-    lighthouse = None
-    for bind in ("[::]:0", "0.0.0.0:0"):  # IPv6 (and v4) where the machine has it, else IPv4 alone
-        try:
-            lighthouse = LighthouseServer(bind=bind, min_replicas=e.min_replicas,
-                                          join_timeout_ms=int(e.join_timeout_s * 1000), quorum_tick_ms=100,
-                                          heartbeat_timeout_ms=int(e.heartbeat_timeout_s * 1000))
-            break
-        except RuntimeError as err:
-            why = err
-    if lighthouse is None:
-        raise ConfigError(f"cannot start torchft's lighthouse on this machine ({why})")
-    address = lighthouse.address()
+    try:
+        lighthouse, address = start_lighthouse(e)
+    except BaseException:
+        lock.release()  # no job started: the folder is free again
+        raise
     say(f"[thinpipe launch] elastic job: {dp} replicas x {pp} stages, lighthouse at {address}, up to {max_restarts} "
         f"restarts per replica; events in {out / EVENTS}")
     if known.resume:
@@ -121,8 +126,11 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     t0 = time.time()
     cmd = [sys.executable, "-m", "thinpipe", *[a for a in args if a not in ("--overwrite", "--resume")], "--engine",
            "elastic"]
+    keys = contextlib.ExitStack()  # the job key's folder goes when the replicas have stopped
     try:
+        key_env = {**keys.enter_context(job_key_env()), BIND_ENV: LOOPBACK}
         for rep in replicas:
+            rep.env = key_env
             _start(rep, cmd, pp, address, out, t0)
         code = _supervise(replicas, cmd, pp, address, out, t0, max_restarts, interrupted)
         if code == INTERRUPTED:
@@ -136,16 +144,34 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     finally:
         for rep in replicas:
             _stop(rep.procs)
+        keys.close()
         signal.signal(signal.SIGINT, previous)
         lighthouse.shutdown()
+        lock.release()
+
+
+def start_lighthouse(e) -> tuple[LighthouseServer, str]:
+    """torchft's lighthouse on the job's address (``comm/bind.py``: loopback for this one-machine job,
+    ``$THINPIPE_BIND_ADDR`` when set), and the address its replicas reach it at (torchft's own
+    ``address()`` names the host, which need not resolve to the address it listens on)."""
+    addr = bind_address()
+    try:
+        lighthouse = LighthouseServer(bind=f"{addr}:0", min_replicas=e.min_replicas,
+                                      join_timeout_ms=int(e.join_timeout_s * 1000), quorum_tick_ms=100,
+                                      heartbeat_timeout_ms=int(e.heartbeat_timeout_s * 1000))
+    except RuntimeError as err:
+        why = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"cannot start torchft's lighthouse on {addr} ({why}): check ${BIND_ENV}") from None
+    port = lighthouse.address().rpartition(":")[2]
+    return lighthouse, f"http://{advertised(addr)}:{port}"
 
 
 def _start(rep: Replica, cmd: list[str], pp: int, lighthouse: str, out: Path, t0: float) -> None:
     port = _free_port()
     rep.procs = []
     for s in range(pp):
-        env = {**os.environ, "RANK": str(s), "WORLD_SIZE": str(pp), "LOCAL_RANK": str(s), "LOCAL_WORLD_SIZE": str(pp),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
+        env = {**os.environ, **rep.env, "RANK": str(s), "WORLD_SIZE": str(pp), "LOCAL_RANK": str(s),
+               "LOCAL_WORLD_SIZE": str(pp), "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1",
                REPLICA_ENV: str(rep.index), RESTART_ENV: str(rep.attempt), LIGHTHOUSE_ENV: lighthouse,
                RESUME_ENV: "1" if rep.resume else "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         rep.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
@@ -252,10 +278,8 @@ def elastic_summary(out: Path, cfg) -> dict:
     rows: dict[int, dict] = {}
     for p in folders:
         if (p / "metrics.jsonl").is_file():
-            for line in (p / "metrics.jsonl").read_text().splitlines():
-                if line.strip():
-                    m = json.loads(line)
-                    rows.setdefault(m["step"], m)
+            for m in read_rows(p / "metrics.jsonl"):  # a replica killed mid-row leaves a cut-off last line
+                rows.setdefault(m["step"], m)
     with open(out / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(rows[s]) + "\n" for s in sorted(rows))
     failed = [e for e in events if e["event"] == "replica_failed"]

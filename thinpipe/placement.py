@@ -27,6 +27,7 @@ import os
 import torch
 
 from thinpipe.config import ConfigError
+from thinpipe.config.env import env_int
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -56,7 +57,7 @@ def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
 
 def local_rank() -> int:
     """This process's index on its machine (torchrun's LOCAL_RANK), 0 outside torchrun."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return env_int("LOCAL_RANK", 0, 0, 1 << 16)
 
 
 def compute_dtype_name(dtype: str, device: torch.device) -> str:

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 from collections.abc import Callable
 
 PLUGIN_BOUNDARIES: dict[str, Callable] = {}
+MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")  # dotted identifiers: what import takes
+
+
+class PluginError(Exception):
+    """A bad ``$THINPIPE_PLUGINS``: the CLI prints it as one line, exit 2, like a ``ConfigError`` (which lives a
+    layer above this module)."""
 
 
 def register_boundary(name: str, build: Callable) -> None:
@@ -22,5 +29,20 @@ def register_boundary(name: str, build: Callable) -> None:
 
 
 def load_plugins() -> None:
+    """Import each module of ``$THINPIPE_PLUGINS``; a name that is not a module, is not found or fails to import
+    is one ``PluginError`` naming it (the plugin's own traceback is its author's to read, with ``python -c
+    "import NAME"``)."""
     for name in filter(None, (m.strip() for m in os.environ.get("THINPIPE_PLUGINS", "").split(","))):
-        importlib.import_module(name)
+        if not MODULE_NAME.fullmatch(name):
+            raise PluginError(f"$THINPIPE_PLUGINS names {name!r}, which is not a module name: give comma-separated "
+                              "importable modules, e.g. THINPIPE_PLUGINS=my_pkg.boundaries (not a file path)")
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name is None or not (name == e.name or name.startswith(e.name + ".")):  # a module it imports
+                raise PluginError(f"$THINPIPE_PLUGINS: plugin {name!r} failed to import: {e}") from None
+            raise PluginError(f"$THINPIPE_PLUGINS names module {name!r}, which is not installed or not on "
+                              "PYTHONPATH: install it, fix the name, or unset THINPIPE_PLUGINS") from None
+        except Exception as e:  # noqa: BLE001  (any error of the plugin's own code: one line naming the plugin)
+            raise PluginError(f"$THINPIPE_PLUGINS: plugin {name!r} failed to import: {type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}") from None

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tomllib
 from pathlib import Path
 
 from thinpipe.config import ConfigError
+from thinpipe.runlock import check_out_path
 
 RUN_FILES = ("config.toml", "metrics.jsonl", "summary.json", "loss.png", "checkpoint", "init", "tensorboard",
              "wandb")  # what `train` writes
@@ -50,20 +52,46 @@ def validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
         raise ConfigError(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(sorted(TASKS) + list(extra))}")
 
 
-def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
-    """A folder that holds a run is never written over by accident: --resume continues it,
-    --overwrite replaces it (only the files `train` writes are removed)."""
+def made_by_thinpipe(out: Path) -> bool:
+    """Whether a folder was written by thinpipe (a config.toml of thinpipe's own sections, or an elastic
+    job's events): --overwrite removes files only from such a folder, never from a user's project that
+    happens to hold a ``config.toml`` or a ``checkpoint/``. (Not the lock file: this very command's
+    launcher may just have made it.)"""
+    if (out / "events.jsonl").is_file():
+        return True
+    try:
+        saved = tomllib.loads((out / "config.toml").read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return False
+    return all(isinstance(saved.get(k), dict) for k in ("model", "mesh", "train", "boundary"))
+
+
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """Before anything is created or loaded: --out is a folder path, and a folder that holds a run is
+    never written over by accident (--resume continues it, --overwrite replaces a thinpipe run)."""
     if resume and overwrite:
         raise ConfigError("--resume continues the run in --out, --overwrite replaces it: give one of them")
+    check_out_path(out)
     held = [n for n in RUN_FILES if (out / n).exists()]
     if not held or resume:
         return
     if not overwrite:
         raise ConfigError(f"--out {out} holds a run ({', '.join(held)}): add --resume to continue it, --overwrite to "
                           "replace it, or choose another --out")
+    if not made_by_thinpipe(out):
+        raise ConfigError(f"--out {out} holds {', '.join(held)} but no thinpipe run (no thinpipe config.toml): "
+                          "--overwrite removes only a run's files; choose another --out")
+
+
+def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
+    """--overwrite: the files `train` writes are removed (nothing else), once ``check_out`` has passed
+    and this job holds the folder's lock (``runlock.py``)."""
+    if resume or not overwrite:
+        return
+    held = [n for n in RUN_FILES if (out / n).exists() or (out / n).is_symlink()]
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one process per machine removes (dist ranks share the folder)
         for n in held:
-            shutil.rmtree(out / n) if (out / n).is_dir() else (out / n).unlink()
+            shutil.rmtree(out / n) if (out / n).is_dir() and not (out / n).is_symlink() else (out / n).unlink()
 
 
 def check_run(run: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from thinpipe.comm import LocalGroup, drive_lockstep
+from thinpipe.comm.header import Expect
 from thinpipe.dp.powersgd import PowerSGDState, factorized, orthonormalize, powersgd_average
 
 
@@ -27,6 +28,16 @@ def trained(stage) -> list[torch.Tensor]:
     """The parameters a pull carries: those that train (with LoRA the adapters only; the frozen
     base is the same seeded weights in every process and never changes)."""
     return [p for p in stage.parameters() if p.requires_grad]
+
+
+def wire_expect(stage) -> Expect:
+    """What an anchor link's receiver accepts (a pull's weights, a push's gradient or its PowerSGD
+    factors, with their step and counters): no more than the stage's trained parameters in fp32,
+    plus a few small control tensors."""
+    return Expect(max_bytes=sum(p.numel() * max(4, p.element_size()) for p in trained(stage)) + CONTROL_BYTES)
+
+
+CONTROL_BYTES = 1024  # "step", "at", "bytes", "failed": a handful of int64s
 
 
 def encode_pull(params: list[torch.Tensor], wire_dtype: torch.dtype | None) -> torch.Tensor:

@@ -45,8 +45,9 @@ import torch
 
 from thinpipe.anchor.sim import run_anchor_pass, staleness_stats
 from thinpipe.checkpoint import prune, save_part, step_dir
-from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
+from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained, wire_expect
 from thinpipe.comm import AXES, ByteMeter
+from thinpipe.comm.header import Expect
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import AnchorCycle, Pull, Push
 from thinpipe.dp.powersgd import PowerSGDState
@@ -54,6 +55,7 @@ from thinpipe.log import say
 from thinpipe.placement import device_of, to_device
 
 STOP = -1
+CYCLE = Expect.exactly({"step": ((1,), torch.int64)})  # an anchor stage's cycle message to the next
 CHECKPOINT = -2  # pull-link marker: save the anchor's part of set ``at`` after every earlier pull, then acknowledge
 
 
@@ -97,7 +99,7 @@ class AnchorFeed:
     def _receive(self) -> None:
         try:
             while True:
-                payload = self.push_transport.recv(Push(self.replica, self.stage.index))
+                payload = self.push_transport.recv(Push(self.replica, self.stage.index), wire_expect(self.stage))
                 self.inbox.put(payload)
                 if _step_of(payload) == STOP:
                     return
@@ -269,7 +271,7 @@ class AnchorStageRank:
     def _receive_pulls(self) -> None:
         try:
             while True:
-                payload = self.pull_transport.recv(Pull(self.stage.index))
+                payload = self.pull_transport.recv(Pull(self.stage.index), wire_expect(self.stage))
                 self.pulls.put(payload)
                 if _step_of(payload) == STOP:
                     return
@@ -338,7 +340,7 @@ class AnchorStageRank:
                     pull = self._next_pull(newest=self.cfg.anchor.delivery == "arrival")
                     step = _step_of(pull)
                 else:
-                    step = _step_of(self.row_transport.recv(AnchorCycle(s - 1)))
+                    step = _step_of(self.row_transport.recv(AnchorCycle(s - 1), CYCLE))
                     pull = self._pull_of(step)  # at a stop: this stage's own stop (its receiver is done)
                 if not last:
                     self.row_transport.send(AnchorCycle(s), Payload({"step": torch.tensor([step])}), None)

@@ -6,28 +6,30 @@ anchor row's PP links are shaped like the fast rows' (``comm/shaped.py: MeshLink
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from thinpipe.anchor.dist import AnchorFeed, AnchorStageRank
 from thinpipe.boundary import Boundary
 from thinpipe.comm import ByteMeter
-from thinpipe.comm.dist import DistTransport
+from thinpipe.comm.dist import DistTransport, job_wire
 from thinpipe.comm.distgroup import DistGroup
 from thinpipe.comm.groups import ProcessGroups
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config
+from thinpipe.config.env import dist_timeout_s
 from thinpipe.engine.setup import anchor_batches
 from thinpipe.engine.worker import StageWorker
 from thinpipe.placement import device_of
 
 
 def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
-                      device: torch.device):
-    """(pull, push) transports of ``stage``'s anchor links; the pull side sends in the background."""
-    pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True, device=device)
-    push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage], device=device)
+                      device: torch.device, wire: dict):
+    """(pull, push) transports of ``stage``'s anchor links; the pull side sends in the background.
+    ``wire``: the job key and ``wire.encrypt`` (``comm/dist.py: job_wire``)."""
+    pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True, device=device,
+                         label="anchor-pull", **wire)
+    push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage], device=device,
+                         label="anchor-push", **wire)
     return pull, push
 
 
@@ -39,11 +41,12 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
     m, s = cfg.mesh, stage.index
     dense = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
     device = device_of(stage)
+    wire = job_wire(cfg.wire.encrypt, "the anchor circuit")
     row = DistTransport(layout, me, meter, lambda axis, peer: links.pp("pp_fwd", peer), group=groups.anchor_row,
-                        device=device)
+                        device=device, label="anchor-row", **wire)
     worker = StageWorker(stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None, row,
                          compute_dtype, axes=("anchor", "anchor"))
-    pull, push = anchor_transports(layout, me, s, groups, meter, links, device)
+    pull, push = anchor_transports(layout, me, s, groups, meter, links, device, wire)
     return AnchorStageRank(cfg, stage, worker, actions, layout, me, pull, push, row, meter, wire_dtype,
                            lambda cycles: anchor_batches(cfg, train_ds, cycles), folder)
 
@@ -51,7 +54,8 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
 def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: ProcessGroups, meter: ByteMeter,
                 links: MeshLinks, wire_dtype) -> AnchorFeed:
     """A fast rank's end of its stage's anchor links."""
-    pull, push = anchor_transports(layout, me, stage.index, groups, meter, links, device_of(stage))
+    pull, push = anchor_transports(layout, me, stage.index, groups, meter, links, device_of(stage),
+                                   job_wire(cfg.wire.encrypt, "the anchor circuit"))
     control = DistGroup(groups.dp[stage.index], cfg.mesh.dp, meter, None)
 
     def agree(count: int) -> int:
@@ -59,5 +63,5 @@ def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: Proce
         _, counts = control.all_gather(replica, torch.tensor([count]))
         return int(min(c.item() for c in counts))
 
-    timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+    timeout_s = dist_timeout_s()
     return AnchorFeed(cfg, stage, replica, pull, push, meter, wire_dtype, agree, wait_timeout_s=max(timeout_s, 600.0))

@@ -95,6 +95,11 @@ class AqsgdBoundary(QuantBoundary):
         densely instead."""
         return super().expected_bytes(tokens, element_size)
 
+    def max_bytes(self, tokens, element_size):
+        """A microbatch mixes first visits (dense rows) and revisits (codes): at most both in full."""
+        fwd, bwd = self.expected_bytes(tokens, element_size)
+        return fwd + tokens * self.hidden_size * element_size, bwd
+
     def memory_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.sent, self.received) for t in d.values())
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from thinpipe.comm.header import Expect
 from thinpipe.comm.payload import Payload
 
 
@@ -129,6 +130,26 @@ class Boundary(nn.Module):
         n = tokens * self.hidden_size * element_size
         return n, n
 
+    def max_bytes(self, tokens: int, element_size: int) -> tuple[int, int]:
+        """(forward, backward) upper bounds on one payload's bytes, what a receiver accepts: the
+        exact ``expected_bytes`` for every kind whose payload length is fixed; a kind whose length
+        depends on the data overrides this with a true bound."""
+        return self.expected_bytes(tokens, element_size)
+
+    def payload_expect(self, direction: str, tokens: int) -> Expect:
+        """What the receiving end of ``direction`` ("fwd": the activation, "bwd": its gradient)
+        accepts for a microbatch of ``tokens`` tokens (docs/security.md: receivers decide what they
+        allocate). Without a wire dtype an activation crosses in the compute dtype: fp32 at most."""
+        size = torch.empty(0, dtype=self.wire_dtype).element_size() if self.wire_dtype is not None else 4
+        fwd, bwd = self.max_bytes(tokens, size)
+        return Expect(max_bytes=fwd if direction == "fwd" else bwd)
+
+    def param_expect(self) -> Expect:
+        """What either end accepts of a shared-parameter message (gradients up, parameters down): no
+        more than this boundary's own tensors hold in fp32."""
+        return Expect(max_bytes=sum(t.numel() * max(4, t.element_size()) for t in self.state_dict().values()
+                                    if isinstance(t, torch.Tensor)))
+
 
 class StageState:
     """State that every boundary of a replica shares and every stage holds a copy of (the SSN basis).
@@ -154,6 +175,11 @@ class StageState:
     def contribution(self, in_boundary, out_boundary) -> Payload:
         """This stage's part of the refresh input (from its uses of the state at its two ends)."""
         raise NotImplementedError
+
+    def update_expect(self, contribution: Payload) -> Expect:
+        """What a stage accepts of the refreshed state travelling down: by default the tensors of a
+        contribution (the state's own shapes); a state whose update differs overrides this."""
+        return Expect.like(contribution)
 
     @staticmethod
     def combine(later: Payload, mine: Payload) -> Payload:

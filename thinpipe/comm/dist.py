@@ -16,6 +16,11 @@ message is "on the wire" as with a real NIC, messages in flight overlap their la
 messages on one link keep their order (``link_for`` gives one link per peer for every shaped
 axis; an unshaped message is posted at once). The link carries the header too: it is on a real wire.
 
+Every message is authenticated with the job key (``wire_auth.py``: a forged, replayed or moved
+message is refused naming the peer), sealed too with ``encrypt``; and the receiver says what it
+accepts (``recv(tag, expect)``, ``header.Expect``): a header that describes anything else is refused
+before anything is allocated.
+
 A rank that computes on a GPU (``device``) stages each tensor to pinned host memory on send and
 moves what it receives to its device (``staging.py``); the bytes, headers and tags are a CPU rank's.
 """
@@ -34,7 +39,16 @@ from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import DueQueue, ShapedLink
 from thinpipe.comm.staging import to_device, to_host
 from thinpipe.comm.tags import Tag, check_tag
-from thinpipe.comm.header import HEADER_BYTES, HEADER_SLOTS, decode_header, encode_header
+from thinpipe.comm.header import FRAME_SLOTS, HEADER_BYTES, HEADER_SLOTS, Expect, decode_header, encode_header
+from thinpipe.comm.jobkey import job_key
+from thinpipe.comm.wire_auth import SEAL_TAG_BYTES, LinkAuth
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -45,11 +59,16 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 class DistTransport:
     def __init__(self, layout, me: int, meter: ByteMeter,
                  link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None,
-                 background: bool = False, device: torch.device | None = None):
+                 background: bool = False, device: torch.device | None = None, *, key: bytes, label: str,
+                 encrypt: bool = False):
         """``background``: every send goes through the sender thread, which also waits for it to
         complete, so ``idle()`` can tell without blocking whether anything is still on its way
-        (gloo's ``Work.is_completed`` never turns true for point-to-point operations)."""
+        (gloo's ``Work.is_completed`` never turns true for point-to-point operations). ``key``: the
+        job key; ``label`` names this transport (its messages cannot be replayed on another one);
+        ``encrypt``: seal the payloads (``wire.encrypt``)."""
         self.layout, self.me, self.meter = layout, me, meter
+        self.auth = LinkAuth(key, label, me, encrypt)
+        self.overhead_bytes = HEADER_BYTES + (SEAL_TAG_BYTES if encrypt else 0)
         self.link_for = link_for or (lambda axis, peer: None)
         self.group = group
         self.background, self.device = background, device
@@ -80,30 +99,37 @@ class DistTransport:
         """``metered``: the bytes to count on ``axis`` when part of the payload is protocol (a step
         number, say) rather than data the simulation counts; None = the whole payload."""
         peer, ch = self._route(tag)
-        parts = [encode_header(payload)] + [_as_bytes(to_host(t)) for t in payload.tensors.values()]
+        frame, body = self.auth.seal(peer, ch, encode_header(payload),
+                                     [_as_bytes(to_host(t)) for t in payload.tensors.values()])
+        parts = [frame] + body
         link = self.link_for(axis, peer)
         if link is None and not self.background:
             self._post(peer, ch, parts)
         else:
             if self._sender is None:
                 self._sender = DueQueue(self._deliver)
-            due = link.delivery_time(payload.nbytes + HEADER_BYTES, link.clock()) if link else time.perf_counter()
+            due = link.delivery_time(payload.nbytes + self.overhead_bytes, link.clock()) if link else time.perf_counter()
             self._sender.put(due, (peer, ch, parts))
         if axis is not None:
             self.meter.add(axis, payload.nbytes if metered is None else metered)
-        self.header_bytes += HEADER_BYTES
+        self.header_bytes += self.overhead_bytes
 
-    def recv(self, tag: Tag) -> Payload:
+    def recv(self, tag: Tag, expect: Expect) -> Payload:
+        """The payload of ``tag`` from its peer, if it proves the job key and is what ``expect`` allows."""
         peer, ch = self._route(tag)
-        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
-        dist.recv(header, peer, group=self.group, tag=ch)
-        tensors = {}
-        for name, dtype, shape in decode_header(header):
-            n = 1
-            for d in shape:
-                n *= d
-            raw = torch.empty(n * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
+        frame = torch.empty(FRAME_SLOTS, dtype=torch.int64)
+        dist.recv(frame, peer, group=self.group, tag=ch)
+        header, ticket = self.auth.open_header(peer, ch, frame)
+        spec = decode_header(header)
+        expect.check(spec, f"{type(tag).__name__} from rank {peer}")
+        sizes = [_numel(shape) * torch.empty(0, dtype=dtype).element_size() for _, dtype, shape in spec]
+        body = []
+        for size in self.auth.body_bytes(sizes):
+            raw = torch.empty(size, dtype=torch.uint8)
             dist.recv(raw, peer, group=self.group, tag=ch)
+            body.append(raw)
+        tensors = {}
+        for (name, dtype, shape), raw in zip(spec, self.auth.open_body(peer, ch, ticket, body, sizes)):
             t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
             tensors[name] = to_device(t.reshape(shape), self.device)
         return Payload(tensors)
@@ -130,21 +156,28 @@ class DistTransport:
             self._sender.close()
 
 
-def broadcast_payload(payload: Payload | None, src: int, group, device: torch.device | None = None) -> Payload:
+def job_wire(encrypt: bool, where: str) -> dict:
+    """The ``key``/``encrypt`` arguments of this job's transports (``where`` names who needs the key)."""
+    return {"key": job_key(where), "encrypt": encrypt}
+
+
+def broadcast_payload(payload: Payload | None, src: int, group, device: torch.device | None = None,
+                      expect: Expect | None = None) -> Payload:
     """``src``'s payload on every member of ``group``, as header + raw bytes (no pickle): the
-    receivers allocate what the validated header describes; every member gets it on ``device``."""
+    receivers check the header against ``expect`` and allocate only what it describes; every member
+    gets it on ``device``. A collective: not authenticated by the job key (docs/security.md)."""
     me = dist.get_rank()
     header = encode_header(payload) if me == src else torch.empty(HEADER_SLOTS, dtype=torch.int64)
     dist.broadcast(header, src, group=group)
+    spec = decode_header(header)
+    if me != src and expect is not None:
+        expect.check(spec, f"a broadcast from rank {src}")
     tensors = {}
-    for i, (name, dtype, shape) in enumerate(decode_header(header)):
+    for name, dtype, shape in spec:
         if me == src:
             raw = _as_bytes(to_host(payload.tensors[name])).clone()
         else:
-            n = 1
-            for d in shape:
-                n *= d
-            raw = torch.empty(n * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
+            raw = torch.empty(_numel(shape) * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
         dist.broadcast(raw, src, group=group)
         t = raw.view(dtype) if dtype != torch.bool else raw.to(torch.bool)
         tensors[name] = to_device(t.reshape(shape), device)

@@ -24,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from thinpipe.comm.header import PayloadError
 from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.staging import StagedWork, to_device, to_host
 
@@ -79,19 +80,26 @@ class DistGroup:
         """Post the sum of ``host`` over the group (the one call a managed group replaces)."""
         return dist.all_reduce(host, group=self.group, async_op=True)
 
-    def all_gather(self, rank: int, tensor: torch.Tensor):
+    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None):
+        """``max_numel``: the most elements a member may contribute (default: as many as this one)."""
         if self.axis is not None:
             self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())
         if self.size == 1:
             return _Done(), [tensor.clone()]
-        return _Done(), [to_device(t, tensor.device) for t in gather_1d(to_host(tensor), self.size, self.group)]
+        bound = tensor.numel() if max_numel is None else max_numel
+        return _Done(), [to_device(t, tensor.device) for t in gather_1d(to_host(tensor), self.size, self.group, bound)]
 
 
-def gather_1d(tensor: torch.Tensor, size: int, group) -> list[torch.Tensor]:
-    """Every member's 1-d ``tensor`` (same dtype, any length), in group order, as tensors only."""
+def gather_1d(tensor: torch.Tensor, size: int, group, max_numel: int) -> list[torch.Tensor]:
+    """Every member's 1-d ``tensor`` (same dtype, any length up to ``max_numel``: a member that
+    claims more is refused before anything is allocated), in group order, as tensors only."""
     flat = tensor.detach().reshape(-1)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
     dist.all_gather(lengths, torch.tensor([flat.numel()]), group=group)
+    for member, n in enumerate(lengths):
+        if not 0 <= int(n) <= max_numel:
+            raise PayloadError(f"all-gather: member {member} of the group claims {int(n)} elements, at most "
+                               f"{max_numel} are expected; refused before allocating them")
     longest = max(int(n) for n in lengths)
     padded = torch.zeros(longest, dtype=flat.dtype)
     padded[:flat.numel()] = flat

@@ -9,6 +9,8 @@ header; ``HEADER_BYTES`` per message is the protocol's overhead, reported separa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from thinpipe.comm.payload import Payload
@@ -19,7 +21,9 @@ MAX_NDIM = 6
 NAME_SLOTS = 4                # 32 bytes of UTF-8 name
 PER_TENSOR = 2 + MAX_NDIM + NAME_SLOTS
 HEADER_SLOTS = 3 + MAX_TENSORS * PER_TENSOR
-HEADER_BYTES = HEADER_SLOTS * 8
+AUTH_SLOTS = 8                # two HMAC-SHA256 tags (the body's, then the header's): comm/wire_auth.py
+FRAME_SLOTS = HEADER_SLOTS + AUTH_SLOTS
+HEADER_BYTES = FRAME_SLOTS * 8  # what a point-to-point message costs beyond its payload
 MAX_PAYLOAD_BYTES = 2 ** 33   # 8 GiB: anything larger is a corrupt header, not a payload
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16, torch.uint8,
@@ -40,7 +44,11 @@ def _name_slots(name: str) -> list[int]:
 
 
 def _name(slots: list[int]) -> str:
-    return b"".join(int(s).to_bytes(8, "little", signed=True) for s in slots).rstrip(b"\0").decode()
+    raw = b"".join(int(s).to_bytes(8, "little", signed=True) for s in slots).rstrip(b"\0")
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        raise PayloadError(f"payload header holds a tensor name that is not UTF-8 ({raw[:32]!r})") from None
 
 
 def encode_header(payload: Payload) -> torch.Tensor:
@@ -85,10 +93,62 @@ def decode_header(h: torch.Tensor) -> list[tuple[str, torch.dtype, tuple[int, ..
     return spec
 
 
-def check_spec(spec, expected: dict[str, tuple[tuple[int, ...], torch.dtype]] | None, where: str) -> None:
-    """Compare a received spec with what the receiver expects (None: accept any well-formed one)."""
-    if expected is None:
-        return
-    got = {name: (shape, dtype) for name, dtype, shape in spec}
-    if got != expected:
-        raise PayloadError(f"{where}: received payload {got} but expected {expected}")
+FLOATS = frozenset({torch.float32, torch.bfloat16, torch.float16})
+CODES = frozenset({torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8, torch.bool})
+WIRE_DTYPES = FLOATS | CODES  # what a boundary's payload may hold (float64 never crosses a PP link)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a receiver accepts on one receive, checked against the peer's header before anything is
+    allocated (docs/security.md): the exact tensors (``spec``: name -> (shape, dtype)) where the
+    receiver knows them, else at most ``max_bytes`` of payload in tensors of ``dtypes``. A kind whose
+    payload length depends on the data declares an upper bound here, never an estimate."""
+
+    max_bytes: int
+    dtypes: frozenset = WIRE_DTYPES
+    spec: dict | None = None
+
+    @classmethod
+    def exactly(cls, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "Expect":
+        total = 0
+        for shape, dtype in spec.values():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n * torch.empty(0, dtype=dtype).element_size()
+        return cls(max_bytes=total, dtypes=frozenset(dt for _, dt in spec.values()), spec=dict(spec))
+
+    @classmethod
+    def like(cls, payload: Payload) -> "Expect":
+        """Exactly the tensors of ``payload`` (a receiver that holds a copy of what it receives)."""
+        return cls.exactly(payload.spec())
+
+    def check(self, spec: list[tuple[str, torch.dtype, tuple[int, ...]]], where: str) -> None:
+        """Refuse a received spec (from ``decode_header``) that is not what this receiver accepts."""
+        if self.spec is not None:
+            got = {name: (tuple(shape), dtype) for name, dtype, shape in spec}
+            if got != self.spec:
+                raise PayloadError(f"{where}: the peer sent {_describe(got)} where {_describe(self.spec)} was "
+                                   "expected; refused before allocating it")
+            return
+        size = 0
+        for name, dtype, shape in spec:
+            if dtype not in self.dtypes:
+                raise PayloadError(f"{where}: the peer sent {name!r} as {dtype}, which this receiver never accepts")
+            n = 1
+            for d in shape:
+                n *= d
+            size += n * torch.empty(0, dtype=dtype).element_size()
+        if size > self.max_bytes:
+            raise PayloadError(f"{where}: the peer sent {size} bytes where at most {self.max_bytes} are expected; "
+                               "refused before allocating them")
+
+
+def _describe(spec: dict) -> str:
+    return ", ".join(f"{k} {tuple(s)} {str(d).replace('torch.', '')}" for k, (s, d) in spec.items()) or "nothing"
+
+
+def spec_of(payload: Payload) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``payload``'s tensors in ``decode_header``'s form (so the in-process mailbox checks as a wire would)."""
+    return [(k, t.dtype, tuple(t.shape)) for k, t in payload.tensors.items()]

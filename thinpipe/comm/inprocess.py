@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.comm.header import Expect, PayloadError, spec_of
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import Tag, check_tag
 from thinpipe.comm.meter import ByteMeter
@@ -37,7 +38,8 @@ class LocalGroup:
         work._done = True
         return work
 
-    def all_gather(self, rank: int, tensor: torch.Tensor) -> tuple[Work, list[torch.Tensor]]:
+    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None
+                   ) -> tuple[Work, list[torch.Tensor]]:
         return self.all_reduce(rank, tensor), [tensor]
 
 
@@ -70,9 +72,14 @@ class InProcessGroup:
         return work
 
 
-    def all_gather(self, rank: int, tensor: torch.Tensor) -> tuple[Work, list[torch.Tensor]]:
+    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None
+                   ) -> tuple[Work, list[torch.Tensor]]:
         """Every member's tensor, in rank order (filled when the last member has posted). Metered
-        as a ring all-gather: (n-1) x the tensor per member."""
+        as a ring all-gather: (n-1) x the tensor per member. ``max_numel`` as in the real group's
+        (checked against the member's own tensor here, so the simulation shows the bounds hold)."""
+        if max_numel is not None and tensor.numel() > max_numel:
+            raise PayloadError(f"all-gather: member {rank} contributes {tensor.numel()} elements, more than the "
+                               f"{max_numel} its peers accept")
         key = ("gather", rank)
         if key in self._gather:
             raise RuntimeError(f"rank {rank} posted twice to the same all-gather")
@@ -104,12 +111,16 @@ class Mailbox:
             self.meter.add(axis, payload.nbytes)
         self._box[tag] = payload
 
-    def recv(self, tag: Tag) -> Payload:
+    def recv(self, tag: Tag, expect: Expect) -> Payload:
+        """As the real transport: ``expect`` is checked here too, so every simulated run shows that the
+        receivers' bounds admit what their senders send."""
         check_tag(tag)
         try:
-            return self._box.pop(tag)
+            payload = self._box.pop(tag)
         except KeyError:
             raise RuntimeError(f"payload {tag} received before it was sent (schedule bug)") from None
+        expect.check(spec_of(payload), f"{type(tag).__name__} (simulated)")
+        return payload
 
     def flush(self) -> None:
         """Every send is delivered at once (the real transport's flush waits for its sends)."""

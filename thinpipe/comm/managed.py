@@ -42,7 +42,7 @@ class ManagedGroup(DistGroup):
     def _post_sum(self, host: torch.Tensor):
         return self.manager.allreduce(host, reduce_op=ReduceOp.SUM)
 
-    def all_gather(self, rank: int, tensor: torch.Tensor):
+    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None):
         """Every member's ``tensor`` in quorum order (members' tensors have one length here: the
         quantised DP messages of one stage); a failure leaves zeros and is reported to the manager."""
         n = self.size

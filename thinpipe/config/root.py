@@ -27,6 +27,10 @@ from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
+from thinpipe.config.wire import WireConfig
+
+
+INT_LIMIT = 2**63  # every integer key ends up in an int64 somewhere (a tensor, a seed, a file offset)
 
 
 def _finite_numbers(tree: dict, prefix: str = "") -> None:
@@ -36,6 +40,18 @@ def _finite_numbers(tree: dict, prefix: str = "") -> None:
             _finite_numbers(v, f"{prefix}{k}.")
         elif isinstance(v, float) and not math.isfinite(v):
             raise ConfigError(f"{prefix}{k} = {v} is not a finite number: give a number such as 1e-4")
+
+
+def _int64(tree: dict, prefix: str = "") -> None:
+    """No key takes an integer beyond int64 (after the sections' own range checks, which say more)."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            _int64(v, f"{prefix}{k}.")
+        elif isinstance(v, int) and not -INT_LIMIT < v < INT_LIMIT:
+            raise ConfigError(f"{prefix}{k} is an integer of {v.bit_length()} bits, out of range: integers are at most "
+                              "2^63 - 1")
+        elif isinstance(v, list) and any(isinstance(x, int) and not -INT_LIMIT < x < INT_LIMIT for x in v):
+            raise ConfigError(f"{prefix}{k} holds an integer out of range: integers are at most 2^63 - 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,11 +69,13 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    wire: WireConfig = field(default_factory=WireConfig)
 
     def validate(self) -> "Config":
         _finite_numbers(self.to_dict())
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        _int64(self.to_dict())
         if self.boundary.kind in ARCHITECTURAL_KINDS:
             if self.boundary.masked:
                 raise ConfigError(f"boundary.kind = {self.boundary.kind} applies to every boundary (its stage "
@@ -122,7 +140,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if typ == "list[str]":
             return [str(v) for v in value]
     except (TypeError, ValueError):
-        raise ConfigError(f"{key} expects a value of type {typ}, got {value!r}") from None
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:60] + f"... ({len(repr(value))} characters)"
+        raise ConfigError(f"{key} expects a value of type {typ}, got {shown}") from None
     raise AssertionError(f"unsupported config type {typ} for {key}")
 
 
@@ -173,14 +192,28 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None) -
     """Defaults <- TOML file <- ``key=value`` strings; validated."""
     cfg, warned = Config(), set()
     if path is not None:
+        if not str(path).strip():  # Path("") is the current folder
+            raise ConfigError("--config is empty: give the path of a TOML file, or leave --config out")
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder: give the TOML file in it to --config")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found: check the path given to --config")
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-        apply_overrides(cfg, _flatten(data), source=str(path), warned=warned)
+            data = _flatten(tomllib.loads(path.read_bytes().decode("utf-8-sig")))  # a BOM (Notepad) is fine
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror}): check its "
+                              "permissions") from None
+        except UnicodeDecodeError as e:  # TOML is UTF-8 (toml.io); e.g. a file saved as Latin-1 or UTF-16
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start + 1}): save it as "
+                              "UTF-8") from None
+        except RecursionError:
+            raise ConfigError(f"config file {str(path)!r} nests tables or arrays thousands deep: a thinpipe config "
+                              "has sections, keys and flat lists") from None
+        except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {why}") from None
+        apply_overrides(cfg, data, source=str(path), warned=warned)
     overrides: dict[str, Any] = {}
     for item in sets or []:
         if "=" not in item:

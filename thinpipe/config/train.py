@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from thinpipe.config.errors import ConfigError
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_STEPS = 10**7       # more is a typo (10**30 steps trained at lr ~1e-33 for ever: the warm-up alone is 3e28 steps)
+MAX_SEQ_LEN = 2**20    # tokens per sequence: a longer one is a typo (10^9 would pack for hours before the first step)
+FP32_TINY = 2.0**-126   # float32's smallest normal number: a smaller lr rounds to zero in the fp32 master weights
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +92,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps > MAX_STEPS:
+            raise ConfigError(f"train.steps = {self.steps} is more than 10^7 steps: give the number of optimizer steps "
+                              "to train (e.g. 1000)")
+        if self.seq_len > MAX_SEQ_LEN:
+            raise ConfigError(f"train.seq_len = {self.seq_len} is more than 2^20 tokens per sequence: give the packed "
+                              "sequence length (e.g. 2048)")
         if self.batch_size % self.microbatches:
             raise ConfigError(
                 f"train.microbatches = {self.microbatches} does not divide train.batch_size = {self.batch_size}")
@@ -96,6 +105,9 @@ class TrainConfig:
             raise ConfigError(f"train.schedule must be gpipe or 1f1b, got {self.schedule!r}")
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}")
+        if self.lr < FP32_TINY:  # the schedule's peak: every step's lr is at most this, so every update is lost
+            raise ConfigError(f"train.lr = {self.lr:g} rounds to zero in float32 (below {FP32_TINY:.3g}): give a "
+                              "learning rate such as 2e-5")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 <= self.warmup_ratio < 1:

@@ -17,12 +17,19 @@ import sys
 import tempfile
 import zipfile
 
+from thinpipe.config import ConfigError
+from thinpipe.config.env import env_path
+
 
 def cache_dir() -> pathlib.Path:
     """$THINPIPE_CACHE, else ~/.cache/thinpipe; created on demand."""
-    root = os.environ.get("THINPIPE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "thinpipe")
+    root = env_path("THINPIPE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "thinpipe"))
     path = pathlib.Path(root)
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # under a file, no permission, read-only
+        raise ConfigError(f"cannot create the cache folder {root!r} ({e.strerror}): set $THINPIPE_CACHE to a "
+                          "writable folder") from None
     return path
 
 

@@ -119,6 +119,11 @@ def _records(f: Path) -> Iterator[tuple[str, object]]:
                                                 "file as UTF-8")
                 except json.JSONDecodeError as e:
                     yield f"{f}:{n}", DataError(f"{f}:{n}: not valid JSON ({e.msg} at column {e.colno})")
+                except ValueError as e:  # an integer of more than 4300 digits (Python's int limit)
+                    yield f"{f}:{n}", DataError(f"{f}:{n}: not a row of training data ({str(e).split(':')[0]})")
+                except RecursionError:  # json's decoder recurses once per level
+                    yield f"{f}:{n}", DataError(f"{f}:{n}: values nested thousands deep, which no row format has: "
+                                                "fix the line, or set data.skip_bad_rows = true")
         return
     import pyarrow.parquet as pq
 

@@ -17,7 +17,6 @@ simulation): gradient diagnostics.
 
 from __future__ import annotations
 
-import datetime
 import os
 import threading
 import time
@@ -36,12 +35,15 @@ PART_KEYS = ("step", "world_size", "role", "rank", "boundaries", "bytes", "ancho
 KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
 from thinpipe.boundary import build_boundaries
 from thinpipe.comm import AXES, ByteMeter
-from thinpipe.comm.dist import DistTransport, broadcast_payload
+from thinpipe.comm.dist import DistTransport, broadcast_payload, job_wire
 from thinpipe.comm.distgroup import DistGroup
 from thinpipe.comm.groups import ProcessGroups
+from thinpipe.comm.jobkey import job_key
+from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.comm.tags import Params
 from thinpipe.config import Config, ConfigError
+from thinpipe.config.env import dist_timeout_s
 from thinpipe.engine.rank import StageRank
 from thinpipe.engine.context import make_contexts
 from thinpipe.engine.passes import pipeline_loss, residual_pass, residual_start_boundaries
@@ -152,8 +154,11 @@ class DistEngine:
         self.rank, self.world_size, self.device = r.role.rank, r.layout.world_size, r.device
         self.lead = self.rank == 0
         self.meter = ByteMeter()
-        self.transport = DistTransport(self.layout, self.rank, self.meter, r.links.pp, device=r.device)
-        self.eval_transport = DistTransport(self.layout, self.rank, ByteMeter(), device=r.device)  # not training's
+        wire = job_wire(cfg.wire.encrypt, "--engine dist")
+        self.transport = DistTransport(self.layout, self.rank, self.meter, r.links.pp, device=r.device, label="pp",
+                                       **wire)
+        self.eval_transport = DistTransport(self.layout, self.rank, ByteMeter(), device=r.device, label="eval",
+                                            **wire)  # not training's
         self.in_b = r.bounds[s - 1] if s else None
         self.out_b = r.bounds[s] if s < m.pp - 1 else None
         links = r.links
@@ -190,7 +195,7 @@ class DistEngine:
                     pass
             src = self.layout.grid[0][p]
             payload = self.out_b.init_from_residuals(torch.cat(out[p])) if self.rank == src else None
-            payload = broadcast_payload(payload, src, self.groups.fast, self.device)
+            payload = broadcast_payload(payload, src, self.groups.fast, self.device, self.bounds[p].param_expect())
             for b in (self.in_b, self.out_b):
                 if b is not None and b.index == p:
                     b.load_init(payload)
@@ -326,7 +331,8 @@ class DistEngine:
         if self.out_b is not None and self.out_b.has_shared_params:
             self.eval_transport.send(Params(row, self.out_b.index), self.out_b.owner_params(), None)
         if self.in_b is not None and self.in_b.has_shared_params:
-            self.in_b.receiver_load_params(self.eval_transport.recv(Params(row, self.in_b.index)))
+            self.in_b.receiver_load_params(self.eval_transport.recv(Params(row, self.in_b.index),
+                                                                    self.in_b.param_expect()))
         self.eval_transport.flush()
         self.meter.totals.update(state["bytes"])
         self._bytes = {a: int(float(sum(r[i] for r in self._gather([float(self.meter.totals[a]) for a in AXES]))))
@@ -393,11 +399,12 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
             raise ConfigError("--engine dist must be started by torchrun (or `thinpipe launch --nproc N -- train ...`)")
         # A peer that dies leaves the others blocked in a receive or collective: they give up after
         # this many seconds with an error instead of hanging (torchrun tears a local job down sooner).
-        timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
+        timeout_s = dist_timeout_s()
         # gloo even where CUDA exists: the wire is TCP between machines on thin links, and a GPU
         # rank stages what it sends through host memory (comm/staging.py, docs/gpu.md), so message
-        # order, tags and sums do not depend on the backend.
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # order, tags and sums do not depend on the backend. Every listener on the job's address.
+        job_key("--engine dist")  # before anything starts: a rank without the key says so in one line
+        init_gloo(timeout_s)
     rank = None
     try:
         setup = RankSetup.build(cfg)

@@ -33,6 +33,7 @@ circuit and ``train.on_divergence = rollback``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import logging
@@ -45,13 +46,18 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torchft.manager as torchft_manager
 from torchft import Manager, ProcessGroupGloo
 
 from thinpipe.comm import AXES
+from thinpipe.comm.bind import ANY, bind_address, point_gloo_at
+from thinpipe.comm.jobkey import job_key
 from thinpipe.comm.managed import ManagedGroup
 from thinpipe.comm.recovery import SafeTransport
+from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config, ConfigError
+from thinpipe.config.env import dist_timeout_s, env_int
 from thinpipe.engine.dist import DistEngine, RankSetup, _held, exit_with_launcher
 from thinpipe.engine.run import resolve_resume, run
 from thinpipe.events import append_event
@@ -64,6 +70,8 @@ RESTART_ENV = "THINPIPE_ELASTIC_RESTART"    # the launcher's: how many times thi
 RESUME_ENV = "THINPIPE_ELASTIC_RESUME"      # the launcher's: "1" = continue from this replica's folder
 KILL_ENV = "THINPIPE_ELASTIC_KILL"          # tests and the measured run only: "replica:stage:step" SIGKILLs itself
 START_POLL_S = 0.5
+RECOVERY_CAP = 16                          # a peer's state is at most this many times this stage's own tensors
+RECOVERY_SLACK = 64 << 20                  # (weights, optimizer moments, DP copies, fragments in flight) + this
 
 
 def check_elastic(cfg: Config) -> None:
@@ -115,19 +123,62 @@ def replica_id(replica: int) -> str:
     return f"thinpipe_replica_{replica:04d}"
 
 
+def _tree_bytes(tree) -> int:
+    """The bytes of every tensor in a state tree."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tree_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tree_bytes(v) for v in tree)
+    return 0
+
+
+def advertised(addr: str) -> str:
+    """The address peers reach a listener bound on ``addr`` at (the host's name when it listens everywhere)."""
+    return socket.gethostname() if addr == ANY else addr
+
+
+@contextlib.contextmanager
+def manager_binds_to(addr: str):
+    """torchft 0.2.0's ``Manager`` starts its ``ManagerServer`` (the replica's quorum/commit RPC server)
+    on ``f"[::]:{port}"`` (torchft/manager.py, ``bind = ...``): no argument or environment variable
+    chooses the address (``$TORCHFT_MANAGER_PORT`` only the port). While a Manager is built here, the
+    name torchft.manager calls is a wrapper that keeps the port and binds ``addr``."""
+    original = torchft_manager.ManagerServer
+
+    def bound(*args, bind: str, **kwargs):
+        return original(*args, bind=f"{addr}:{bind.rpartition(':')[2]}", **kwargs)
+
+    torchft_manager.ManagerServer = bound
+    try:
+        yield
+    finally:
+        torchft_manager.ManagerServer = original
+
+
 class ElasticEngine(DistEngine):
     """One stage of one elastic replica, as an engine of the run loop (``run.py``)."""
 
     def __init__(self, r: RankSetup, replica: int, job: Path, restart: int, resuming: bool = False):
         e = r.cfg.elastic
         timeout = datetime.timedelta(seconds=e.timeout_s)
+        addr = bind_address()  # every listener of this rank on the job's address (docs/security.md)
+        point_gloo_at(addr)    # torchft's process group among replicas: gloo's pairs on that interface
         self.pg = ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(
-            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=e.min_replicas,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=e.quorum_timeout_s),
-            connect_timeout=datetime.timedelta(seconds=max(60.0, e.timeout_s)), rank=r.role.stage,
-            world_size=r.layout.pp, replica_id=replica_id(replica), checkpoint_transport=SafeTransport(timeout),
-            init_sync=False)  # every replica builds the same initial weights: nothing to copy at step 0
+        # a peer's state: signed with the job key, at most RECOVERY_CAP times this stage's own tensors, and
+        # all of it within elastic.quorum_timeout_s (a heal is part of waiting for the quorum)
+        own = _tree_bytes([r.stage.state_dict(), *(b.state_dict() for b in r.bounds)])
+        transport = SafeTransport(timeout, job_key("--engine elastic"), max_bytes=RECOVERY_CAP * own + RECOVERY_SLACK,
+                                  deadline=datetime.timedelta(seconds=max(e.quorum_timeout_s, e.timeout_s)))
+        with manager_binds_to(addr):
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=e.min_replicas,
+                use_async_quorum=False, timeout=timeout, quorum_timeout=datetime.timedelta(seconds=e.quorum_timeout_s),
+                connect_timeout=datetime.timedelta(seconds=max(60.0, e.timeout_s)), rank=r.role.stage,
+                world_size=r.layout.pp, replica_id=replica_id(replica), checkpoint_transport=transport,
+                hostname=advertised(addr),
+                init_sync=False)  # every replica builds the same initial weights: nothing to copy at step 0
         links = MeshLinks(r.cfg.link)
         super().__init__(r, data_replica=replica,
                          make_dp_group=lambda meter: ManagedGroup(self.manager, self.pg, meter, "dp", links.dp_mbps,
@@ -315,8 +366,8 @@ def check_lighthouse(address: str, timeout_s: float = 10.0) -> None:
             pass
     except (OSError, ValueError) as e:
         raise ConfigError(f"${LIGHTHOUSE_ENV} = {address}: no torchft lighthouse answers there ({e}); start one "
-                          "(torchft_lighthouse --bind [::]:29510 --min_replicas 1, docs/elastic.md) or fix the "
-                          "address") from None
+                          "(torchft_lighthouse --bind ADDR:29510 --min_replicas 1, ADDR on the job's network, "
+                          "docs/elastic.md) or fix the address") from None
 
 
 def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict | None:
@@ -333,18 +384,18 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
     # restarted by thinpipe launch --elastic, or by torchrun --max-restarts (which counts its own restarts);
     # resumed (in the folder of that restart) by thinpipe launch --elastic --resume
     resume = os.environ.get(RESUME_ENV) == "1"
-    replica = int(os.environ[REPLICA_ENV])
-    restart = int(os.environ.get(RESTART_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    if not 0 <= replica < cfg.mesh.dp:
-        raise ConfigError(f"${REPLICA_ENV} = {replica} is not a replica of mesh.dp = {cfg.mesh.dp} (0..{cfg.mesh.dp - 1})")
+    replica = env_int(REPLICA_ENV, None, 0, cfg.mesh.dp - 1)  # a replica of mesh.dp
+    restart = env_int(RESTART_ENV, None, 0, 10**6)
+    restart = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, 10**6) if restart is None else restart
+    timeout_s = dist_timeout_s()
     check_lighthouse(os.environ[LIGHTHOUSE_ENV])
+    job_key("--engine elastic")  # before anything starts: a rank without the key says so in one line
     job = Path(out)
     folder = replica_folder(job, replica, restart)
     if resume:
         cfg = resolve_resume(cfg, folder, True)
     if not dist.is_initialized():
-        timeout_s = float(os.environ.get("THINPIPE_DIST_TIMEOUT_S", "60"))
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        init_gloo(timeout_s)  # this replica's own world, listening on the job's address only
     engine = None
     try:
         setup = RankSetup.build(cfg, MeshLayout(1, cfg.mesh.pp, 0))  # this replica's world: its stages

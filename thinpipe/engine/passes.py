@@ -47,8 +47,9 @@ def residual_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
         if s == 0:
             x = ctx.input_ids
         else:
-            x = receiver_forward(eval_boundary(in_b), transport.recv(EvalActivation(0, s - 1, key)), ctx,
-                                 torch.float32)[1]
+            b = eval_boundary(in_b)
+            x = receiver_forward(b, transport.recv(EvalActivation(0, s - 1, key), b.payload_expect("fwd", ctx.tokens)),
+                                 ctx, torch.float32)[1]
         x = stage(x, ctx)
         if s in at:
             off = out_b.residual_offset(ctx.input_ids)
@@ -83,8 +84,9 @@ def pipeline_loss(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
         if stage.is_first:
             x = ctx.input_ids
         else:
-            x = receiver_forward(eval_boundary(in_b), transport.recv(EvalActivation(0, stage.index - 1, ("val", i))),
-                                 ctx, torch.float32)[1]
+            b = eval_boundary(in_b)
+            x = receiver_forward(b, transport.recv(EvalActivation(0, stage.index - 1, ("val", i)),
+                                                   b.payload_expect("fwd", ctx.tokens)), ctx, torch.float32)[1]
         with autocast(device_of(stage), compute_dtype):
             x = stage(x, ctx)
         if stage.is_last:

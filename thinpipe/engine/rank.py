@@ -28,11 +28,14 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.comm.header import Expect
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import ParamGrads, Params, RefreshDown, RefreshUp, TiedGrad
 from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
 from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
 from thinpipe.engine.worker import StageWorker
+
+MAX_TENSORS = 1 << 16  # parameter tensors of one stage, at most: the bound of a stage's gradient-norm vector
 from thinpipe.optim import clip_coefficient, tensor_norms
 from thinpipe.optim.build import build_stage_optimizer
 
@@ -114,7 +117,8 @@ class StageRank:
                                 self.in_boundary.receiver_param_grads(), "pp_params")
         yield DONE
         if self.out_boundary is not None and self.out_boundary.has_shared_params:
-            self.out_boundary.owner_absorb_grads(self.transport.recv(ParamGrads(self.replica, self.out_boundary.index)))
+            self.out_boundary.owner_absorb_grads(self.transport.recv(ParamGrads(self.replica, self.out_boundary.index),
+                                                                     self.out_boundary.param_expect()))
 
     def dp_sync(self) -> Generator:
         d, world = self.cfg.dp, self.dp_group.size
@@ -132,9 +136,10 @@ class StageRank:
             return
         # tags name the receiving end, so the two messages of the exchange stay distinct
         first = self.stage.is_first
-        self.transport.send(TiedGrad(self.replica, to_first=not first), Payload({"g": p.grad.detach().clone()}), "tied")
+        mine = Payload({"g": p.grad.detach().clone()})
+        self.transport.send(TiedGrad(self.replica, to_first=not first), mine, "tied")
         yield DONE
-        other = self.transport.recv(TiedGrad(self.replica, to_first=first)).tensors["g"]
+        other = self.transport.recv(TiedGrad(self.replica, to_first=first), Expect.like(mine)).tensors["g"]
         # The same sum on both ends (embedding's + head's), so the two copies stay equal bitwise.
         total = p.grad + other if self.stage.is_first else other + p.grad
         p.grad.copy_(total)
@@ -142,7 +147,7 @@ class StageRank:
     def clip_and_step(self, lr: float, prior_grads: list[dict], mix: float) -> Generator:
         """Clip by the replica's global gradient norm (every stage's per-tensor norms gathered in stage
         order: the reduction of the unsplit model), fold in anchor priors, step."""
-        work, gathered = self.pp_group.all_gather(self.index, tensor_norms(self.stage.parameters()))
+        work, gathered = self.pp_group.all_gather(self.index, tensor_norms(self.stage.parameters()), MAX_TENSORS)
         yield work
         total, coef = clip_coefficient(torch.cat(gathered), self.cfg.train.grad_clip)
         params = list(self.stage.parameters())
@@ -201,7 +206,8 @@ class StageRank:
                                 "pp_params")
         yield DONE
         if self.in_boundary is not None and self.in_boundary.has_shared_params:
-            self.in_boundary.receiver_load_params(self.transport.recv(Params(self.replica, self.in_boundary.index)))
+            self.in_boundary.receiver_load_params(self.transport.recv(Params(self.replica, self.in_boundary.index),
+                                                                      self.in_boundary.param_expect()))
 
     # a boundary stage state's refresh (boundary/base.py: StageState) ------------------------------
     def _refreshing(self, step: int) -> bool:
@@ -213,10 +219,11 @@ class StageRank:
         if not self._refreshing(step):
             return
         state, s, last = self.stage_state, self.index, self.stage.num_stages - 1
-        mine = state.contribution(self.in_boundary, self.out_boundary)
+        mine = self._refresh_mine = state.contribution(self.in_boundary, self.out_boundary)
         for turn in range(last, -1, -1):
             if turn == s:
-                total = state.combine(self.transport.recv(RefreshUp(self.replica, s)), mine) if s < last else mine
+                total = state.combine(self.transport.recv(RefreshUp(self.replica, s), Expect.like(mine)), mine) \
+                    if s < last else mine
                 if s > 0:
                     self.transport.send(RefreshUp(self.replica, s - 1), total, "pp_params")
                 else:
@@ -238,12 +245,13 @@ class StageRank:
         state, s = self.stage_state, self.index
         for turn in range(self.stage.num_stages):
             if turn == s:
-                new = state.update(self._refresh_total) if s == 0 else self.transport.recv(RefreshDown(self.replica, s - 1))
+                new = state.update(self._refresh_total) if s == 0 else \
+                    self.transport.recv(RefreshDown(self.replica, s - 1), state.update_expect(self._refresh_mine))
                 if s < self.stage.num_stages - 1:
                     self.transport.send(RefreshDown(self.replica, s), new, "pp_params")
                 state.apply(new, self.stage)
             yield DONE
-        self._refresh_total = None
+        self._refresh_total = self._refresh_mine = None
 
     # -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

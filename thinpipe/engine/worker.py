@@ -33,7 +33,8 @@ class StageWorker:
         if self.stage.is_first:
             x = ctx.input_ids
         else:
-            payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch))
+            payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch),
+                                          self.in_boundary.payload_expect("fwd", ctx.tokens))
             saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
         with self._autocast():
             out = self.stage(x, ctx)
@@ -49,7 +50,8 @@ class StageWorker:
         if self.stage.is_last:
             saved["loss"].backward()
         else:
-            payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch))
+            payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch),
+                                          self.out_boundary.payload_expect("bwd", ctx.tokens))
             sender_backward(self.out_boundary, saved["z"], payload, ctx)
         if not self.stage.is_first:
             payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)

@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from thinpipe.config import ConfigError
 from thinpipe.data import ByteTokenizer
 from thinpipe.data.byte_tokenizer import MARKER as BYTE_MARKER
+from thinpipe.data.fetch import cache_dir
 from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
 
 
@@ -32,7 +33,7 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("THINPIPE_CACHE", Path.home() / ".cache" / "thinpipe"))
+    return cache_dir()  # $THINPIPE_CACHE checked, created (data/fetch.py)
 
 
 def _smollm2_gguf() -> Path:

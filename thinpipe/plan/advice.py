@@ -76,9 +76,9 @@ def load_probe(path: str | Path, cfg: Config, max_damage: float) -> list[Boundar
         rows = [(a["arm"], dict(a["settings"]), float(a["damage_rel"]), float(a["pp_fraction"])) for a in arms]
     except FileNotFoundError:
         raise ConfigError(f"--probe {path}: no such file; write one with `thinpipe probe --out DIR`") from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"--probe {path} is not a thinpipe probe result ({type(e).__name__}: {e}); write one with "
-                          "`thinpipe probe --out DIR`") from None
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise ConfigError(f"--probe {path} is not a thinpipe probe result ({type(e).__name__}: {str(e)[:200]}); "
+                          "write one with `thinpipe probe --out DIR`") from None
     if model != cfg.model.name or pp != cfg.mesh.pp:
         raise ConfigError(f"--probe {path} probed {model} with {pp} stages, the plan is for {cfg.model.name} with "
                           f"{cfg.mesh.pp}: probe this model and mesh (thinpipe probe --model {cfg.model.name} --set "

@@ -14,6 +14,11 @@ from thinpipe.plan.report import print_advice, print_plan
 def run_plan(args) -> int:
     """``thinpipe plan``: the prediction, or with ``--target-tps`` / ``--max-mbps`` the advice; exit 1 when no
     setting meets the advice's goal."""
+    if args.probe and args.target_tps is None and args.max_mbps is None:  # it bounds the advice, nothing else reads it
+        raise ConfigError(f"--probe {args.probe} bounds the advice's quality: give --target-tps or --max-mbps with it "
+                          "(or drop --probe)")
+    if not args.max_damage >= 0:  # before reading the probe
+        raise ConfigError(f"--max-damage must be >= 0 (a fraction of the dense held-out loss), got {args.max_damage}")
     sets = []
     if args.preset:
         if args.preset not in PRESETS:
