@@ -35,7 +35,8 @@ PART = "checkpoint/step00000002/mesh"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
 # what the environment of the machine running the tests must not decide
 CLEARED = ("THINPIPE_PLUGINS", "THINPIPE_DIST_TIMEOUT_S", "REPLICA_GROUP_ID", "THINPIPE_ELASTIC_RESTART",
-           "TORCHELASTIC_RESTART_COUNT", "TORCHFT_LIGHTHOUSE", "RANK", "THINPIPE_RANK_ERRORS")
+           "TORCHELASTIC_RESTART_COUNT", "TORCHFT_LIGHTHOUSE", "RANK", "THINPIPE_RANK_ERRORS", "THINPIPE_JOB_KEY_FILE",
+           "THINPIPE_BIND_ADDR", "MASTER_ADDR")
 
 
 @dataclass
@@ -319,6 +320,17 @@ CASES = [
          env={**TIMEOUT_DIST, "THINPIPE_DIST_TIMEOUT_S": "nan"}),
     Case("dist-no-rank", "--engine dist outside a launcher (no RANK)", [*TRAIN, "--engine", "dist"],
          "--engine dist must be started by torchrun"),
+    # ------------------------------------------------------------------ the job key (docs/security.md)
+    Case("dist-no-key", "--engine dist without a job key", [*TRAIN, "--engine", "dist"],
+         "--engine dist needs a job key so that peers can prove they belong", env=TIMEOUT_DIST),
+    Case("dist-key-missing", "THINPIPE_JOB_KEY_FILE names no file", [*TRAIN, "--engine", "dist"],
+         "cannot read the job key file", env={**TIMEOUT_DIST, "THINPIPE_JOB_KEY_FILE": "{tmp}/nope.key"}),
+    Case("dist-key-readable", "a job key file others can read (0644)", [*TRAIN, "--engine", "dist"],
+         "can be read by other users: chmod 600", {"job.key": "ab" * 32 + "\n"},
+         env={**TIMEOUT_DIST, "THINPIPE_JOB_KEY_FILE": "{tmp}/job.key"}),
+    Case("keygen-exists", "keygen over an existing file", ["keygen", "{tmp}/k.key"], "is never overwritten",
+         {"k.key": "mine\n"}),
+    Case("keygen-no-dir", "keygen into a missing folder", ["keygen", "{tmp}/no/k.key"], "cannot create the job key file"),
     Case("elastic-timeout", "THINPIPE_DIST_TIMEOUT_S = -5 (elastic)", ELASTIC, "$THINPIPE_DIST_TIMEOUT_S = '-5'",
          env={**ELASTIC_ENV, "THINPIPE_DIST_TIMEOUT_S": "-5"}),
     Case("replica-word", "REPLICA_GROUP_ID = abc", ELASTIC, "$REPLICA_GROUP_ID = 'abc': give an integer from 0 to 1",

@@ -186,18 +186,7 @@ OUTSIDER = textwrap.dedent("""
 def test_a_real_rank_refuses_a_strangers_payload_and_a_replayed_one(tmp_path, mode):
     """Over gloo: a process that knows the rendezvous but not the key cannot inject a payload, and
     a valid payload sent a second time (an on-path replay) is refused; both in one line naming the peer."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "rank.py"
-    script.write_text(OUTSIDER)
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env={**env, "RANK": str(r)}) for r in range(2)]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs
+    outs = _two_processes(tmp_path, OUTSIDER, mode)
     lines = [ln for ln in outs[1].splitlines() if ln.startswith(("accepted", "refused"))]
     refusal = ("refused: a payload from rank 0 (channel 1) failed authentication (header): it was injected, replayed "
                "or sent with another job key; refused")

@@ -22,7 +22,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from pathlib import Path
 
 from thinpipe.comm import netns as nets
 from thinpipe.comm.bind import BIND_ENV, LOOPBACK

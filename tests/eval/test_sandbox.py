@@ -148,21 +148,21 @@ mounts = [line.split() for line in open("/proc/self/mounts")]
 out["rw_mounts"] = [m[1] for m in mounts if "rw" in m[3].split(",")]
 print(json.dumps(out))
 ''',
-        "setns": COMMON + connect + f'''
+        "setns": COMMON + connect + '''
 pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
-seen, entered, reached = set(), {{}}, []
+seen, entered, reached = set(), {}, []
 for pid in pids + [1]:
     try:
-        seen.add(os.readlink(f"/proc/{{pid}}/ns/net"))
-        fd = os.open(f"/proc/{{pid}}/ns/net", os.O_RDONLY)
+        seen.add(os.readlink(f"/proc/{pid}/ns/net"))
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
     except OSError as e:
         entered[pid] = errno.errorcode.get(e.errno, str(e.errno))
         continue
     entered[pid] = "ok" if libc.setns(fd, 0x40000000) == 0 else err()
     if entered[pid] == "ok":  # whichever namespace it is now in: can it reach the host from there?
         reached.append(connect())
-print(json.dumps({{"pids": pids, "netns_seen": sorted(seen), "setns": entered, "reached": reached,
-                  "connect": connect(), "mine": os.readlink("/proc/self/ns/net")}}))
+print(json.dumps({"pids": pids, "netns_seen": sorted(seen), "setns": entered, "reached": reached,
+                  "connect": connect(), "mine": os.readlink("/proc/self/ns/net")}))
 ''',
         "forkbomb": COMMON + '''
 import time

@@ -4,7 +4,8 @@ One dataclass per component, each field documented by the string literal below i
 built from defaults, then a TOML file, then dotted ``--set key=value`` overrides; every step is
 validated so that a bad input fails with one clear ``ConfigError`` before any heavy work.
 
-One file per idea: ``errors`` (ConfigError), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
+One file per idea: ``errors`` (ConfigError, and a job's ranks reporting one line), ``env`` (environment
+variables read as checked values: ``thinpipe.config.env``), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
 [link]), ``boundary`` ([boundary]), ``train`` ([train], [train.lora], [eval], [diag]), ``dp``
 ([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic`` ([elastic]), ``aliases`` (deprecated keys) and ``root`` (Config, TOML,
 overrides). Import from ``thinpipe.config``: every name is re-exported here.
