@@ -16,8 +16,8 @@ LAYERS = [
     ["thinpipe.log", "thinpipe.plugins"],                                                # foundation
     ["thinpipe.config"],
     ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes, checkpoint files,
-     "thinpipe.runlock", "thinpipe.jsonl",                          # a run folder's lock, metrics rows a crash cut off,
-     "thinpipe.dashboards", "thinpipe.events"],                       # dashboards, an elastic job's events
+     "thinpipe.runlock", "thinpipe.jsonl"],                         # a run folder's lock, rows a crash cut off,
+    ["thinpipe.dashboards", "thinpipe.events"],                     # dashboards, an elastic job's events (read as rows)
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],                                # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
     ["thinpipe.boundary"],                                                               # the boundary contract

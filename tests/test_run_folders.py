@@ -331,3 +331,16 @@ def test_the_launcher_holds_the_lock_and_its_ranks_are_not_refused(tmp_path):
     assert launcher.returncode == 0, err[-3000:]
     assert (out / "summary.json").is_file() and "in use by another" not in err
     assert f"pid {launcher.pid} on " in holder(out / LOCK_FILE)  # the launcher took it; rank 0 did not
+
+
+def test_an_elastic_jobs_events_survive_a_cut_off_last_line(tmp_path, capsys):
+    """A replica killed mid-append leaves a cut-off last line in events.jsonl: the job's readers drop it
+    with one warning (the summary is built from the rest)."""
+    from thinpipe.events import append_event, read_events
+
+    append_event(tmp_path, "replica_started", replica=0)
+    append_event(tmp_path, "quorum", members=[0, 1])
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"event": "replica_fai')
+    assert [e["event"] for e in read_events(tmp_path)] == ["replica_started", "quorum"]
+    assert "ends in a cut-off line 3" in capsys.readouterr().err

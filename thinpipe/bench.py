@@ -39,6 +39,7 @@ from thinpipe.config import ConfigError
 from thinpipe.comm.header import HEADER_BYTES
 from thinpipe.plan.des import PipelineStep, simulate
 from thinpipe.runlock import check_out_path
+from thinpipe.jsonl import read_rows
 
 BASE = {"model.name": "tiny-llama", "data.name": "synthetic", "mesh.pp": 2, "train.batch_size": 4,
         "train.seq_len": 64, "train.microbatches": 2, "train.lr": 1e-3, "train.checkpoint_every": 0}
@@ -76,7 +77,7 @@ def run_arm(name: str, cfg: dict, out: Path, netns: bool = False) -> dict:
     if r.returncode:
         raise ArmFailed(f"{name} failed (exit {r.returncode}):\n{r.stderr[-2000:]}")
     summary = json.loads((folder / "summary.json").read_text())
-    walls = [json.loads(x)["wall_s"] for x in (folder / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    walls = [row["wall_s"] for row in read_rows(folder / "metrics.jsonl")]
     summary["steady_step_s"] = steady_step_s(walls)
     return summary
 

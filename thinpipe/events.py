@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from thinpipe.jsonl import read_rows
+
 EVENTS = "events.jsonl"
 
 
@@ -30,7 +32,5 @@ def append_event(job: Path, event: str, /, **fields) -> dict:
 
 
 def read_events(folder: Path) -> list[dict]:
-    path = folder / EVENTS
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The job's events; a last line cut off by a crash is dropped with a warning (``jsonl.py``)."""
+    return read_rows(folder / EVENTS)
