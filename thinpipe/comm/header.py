@@ -31,6 +31,14 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32
 CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 
+def nbytes(dtype: torch.dtype, shape) -> int:
+    """The bytes a tensor of ``dtype`` and ``shape`` holds."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
 class PayloadError(RuntimeError):
     """A received payload is malformed or not what the receiver expects."""
 
@@ -83,10 +91,7 @@ def decode_header(h: torch.Tensor) -> list[tuple[str, torch.dtype, tuple[int, ..
         if any(d < 0 for d in shape):
             raise PayloadError(f"payload tensor {k}: negative dimension in {shape}")
         dtype = DTYPES[code]
-        numel = 1
-        for d in shape:
-            numel *= d
-        size += numel * torch.empty(0, dtype=dtype).element_size()
+        size += nbytes(dtype, shape)
         spec.append((_name(f[2 + MAX_NDIM:]), dtype, shape))
     if size != total:
         raise PayloadError(f"payload header is inconsistent: its tensors hold {size} bytes, it claims {total}")
@@ -111,12 +116,7 @@ class Expect:
 
     @classmethod
     def exactly(cls, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "Expect":
-        total = 0
-        for shape, dtype in spec.values():
-            n = 1
-            for d in shape:
-                n *= d
-            total += n * torch.empty(0, dtype=dtype).element_size()
+        total = sum(nbytes(dtype, shape) for shape, dtype in spec.values())
         return cls(max_bytes=total, dtypes=frozenset(dt for _, dt in spec.values()), spec=dict(spec))
 
     @classmethod
@@ -136,10 +136,7 @@ class Expect:
         for name, dtype, shape in spec:
             if dtype not in self.dtypes:
                 raise PayloadError(f"{where}: the peer sent {name!r} as {dtype}, which this receiver never accepts")
-            n = 1
-            for d in shape:
-                n *= d
-            size += n * torch.empty(0, dtype=dtype).element_size()
+            size += nbytes(dtype, shape)
         if size > self.max_bytes:
             raise PayloadError(f"{where}: the peer sent {size} bytes where at most {self.max_bytes} are expected; "
                                "refused before allocating them")
