@@ -20,21 +20,26 @@ def arm_dir(out: Path, name: str, aliases: dict[str, str] | None = None) -> Path
     return out / name.replace(" ", "_").replace("+", "p")
 
 
-def run_arm(name: str, sets: dict, out: Path, base: dict, threads: int, aliases: dict[str, str] | None = None) -> dict:
-    folder = arm_dir(out, name, aliases)
+def run_arm(name: str, sets: dict, out: Path, base: dict, threads: int, aliases: dict[str, str] | None = None,
+            folder: Path | None = None) -> dict:
+    """One arm; a folder with a checkpoint (``train.checkpoint_every``) but no summary is resumed."""
+    folder = folder or arm_dir(out, name, aliases)
     if aliases and name in aliases:
         print(f"[alias] {name} is the {aliases[name]} run", flush=True)
     if (folder / "summary.json").is_file():
         print(f"[skip] {name}: done already", flush=True)
         return json.loads((folder / "summary.json").read_text())
+    resume = (folder / "checkpoint").is_dir()
+    again = not resume and (folder / "config.toml").is_file()  # cut off before its first checkpoint: start over
     args = [sys.executable, "-m", "thinpipe", "train", "--out", str(folder), "--quiet"]
+    args += ["--resume"] if resume else ["--overwrite"] if again else []
     for k, v in {**base, **sets}.items():
         args += ["--set", f"{k}={json.dumps(v) if isinstance(v, list) else v}"]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     t0 = time.time()
-    print(f"[start] {name}", flush=True)
+    print(f"[{'resume' if resume else 'start'}] {name}", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "log.txt", "w") as log:
+    with open(folder / "log.txt", "a" if resume else "w") as log:
         r = subprocess.run(args, env=env, stdout=log, stderr=subprocess.STDOUT)
     if r.returncode:
         print(f"[fail] {name}: exit {r.returncode}, see {folder / 'log.txt'}", flush=True)
@@ -44,10 +49,11 @@ def run_arm(name: str, sets: dict, out: Path, base: dict, threads: int, aliases:
 
 
 def run_suite(arms: dict[str, dict], out: Path, base: dict, jobs: int, threads: int,
-              aliases: dict[str, str] | None = None) -> None:
+              aliases: dict[str, str] | None = None, folders: dict[str, Path] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(lambda kv: run_arm(kv[0], kv[1], out, base, threads, aliases), arms.items()))
+        list(pool.map(lambda kv: run_arm(kv[0], kv[1], out, base, threads, aliases, (folders or {}).get(kv[0])),
+                      arms.items()))
 
 
 def select(arms: dict[str, dict], only: str, suite: str) -> dict[str, dict]:

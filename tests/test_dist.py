@@ -51,6 +51,16 @@ CASES = {
                                                                    "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
                                                                    "--set", "boundary.outlier_channels=4",
                                                                    "--set", "boundary.quant_group=16"]),
+    # Issue 26's outlier settings: the Lloyd-Max grid, per-token backward scales, a token-sparse backward
+    # (the receiver's bitmap of the kept tokens crosses with their codes).
+    "outlier Lloyd-Max + token-sparse backward, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
+                                                               "--set", "boundary.kind=outlier",
+                                                               "--set", "boundary.outlier_channels=4",
+                                                               "--set", "boundary.quant_group=16",
+                                                               "--set", "boundary.outlier_grid=lloyd-max",
+                                                               "--set", "boundary.outlier_bwd_scale_group=-1",
+                                                               "--set", "boundary.bwd_bits=1",
+                                                               "--set", "boundary.outlier_bwd_tokens=0.5"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                               "--set", "mesh.dp=2", "--set", "boundary.kind=bottleneck",

@@ -1,11 +1,15 @@
-"""Issue 17's frontier: held-out loss against PP bytes on the anchor-priors recipe.
+"""Issue 17/26's frontier: held-out loss against PP bytes on the anchor-priors recipe, on paired seeds.
 
 Recipe: experiments/anchor_priors (SmolLM2-135M, 4 stages, MATH, 4 x 128 tokens per step, 100 steps,
 lr 1e-4, held-out loss every 20 steps on 32 MATH-500 rows), so that its committed arms (Dense, M90,
-M95, top-K 95%, the anchor arms) sit on the same table; ``Dense`` is run again here with today's code
-as the control that the old arms are comparable (report.py prints the difference).
+M95, top-K 95%, the anchor arms) sit on the same table. A setting is an arm name and its overrides;
+``--seeds`` runs it on each seed (``train.seed``; the held-out rows do not depend on it, so the seeds
+pair: the same rows score Dense and the arm) and ``--steps`` at another length. Folders:
+``results/<arm>`` for seed 0 at 100 steps, ``<arm>_seed_<s>``, ``..._steps_<n>``. Every run
+checkpoints every 20 steps and resumes from there when the suite is started again.
 
-    .venv/bin/python experiments/frontier/run.py [--only ARM,...] [--jobs 2 --threads 1]
+    .venv/bin/python experiments/frontier/run.py --only "Dense,Outlier 4b-1b tok" --seeds 0,1,2 [--jobs 2]
+    .venv/bin/python experiments/frontier/run.py --only Dense --seeds 0 --steps 300
     .venv/bin/python experiments/frontier/report.py
 """
 
@@ -21,13 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from anchor_priors.run import BASE  # noqa: E402  (the same recipe, by construction)
 from arms import arm_dir, run_suite, select  # noqa: E402
 
+FRONTIER_BASE = {**BASE, "train.checkpoint_every": 20}  # resumable; checkpoints do not change the run
 
-def outlier(fwd: int, bwd: int, channels: int = 16, per_token: bool = False) -> dict:
+
+def outlier(fwd: int, bwd: int, channels: int = 16, per_token: bool = False, **more) -> dict:
     arm = {"boundary.kind": "outlier", "boundary.fwd_bits": fwd, "boundary.bwd_bits": bwd,
            "boundary.outlier_channels": channels}
     if per_token:  # one forward scale pair per token (36 -> 4 B) and bf16 intact channels (64 -> 32 B)
         arm.update({"boundary.outlier_scale_group": 576, "boundary.outlier_dtype": "bfloat16"})
-    return arm
+    return {**arm, **{f"boundary.{k}": v for k, v in more.items()}}
+
+
+def lm(fwd: int, bwd: int, channels: int = 16, **more) -> dict:
+    """The outlier kind on the Lloyd-Max grid, one forward and one backward scale per token."""
+    return outlier(fwd, bwd, channels, per_token=True, outlier_grid="lloyd-max", outlier_bwd_scale_group=-1, **more)
 
 
 ARMS = {
@@ -47,26 +58,50 @@ ARMS = {
     # 3b-1b ended +1.08% at 10.9x: the forward's bytes on bits instead of scales and fp32 channels
     "Outlier 4b-1b tok": outlier(4, 1, per_token=True),
     "Outlier 3b-1b tok": outlier(3, 1, per_token=True),
-    "Outlier 2b-2b seed 1": {**outlier(2, 2), "train.seed": 1},
-    "Dense seed 1": {"train.seed": 1},
-    "Outlier 4b-1b tok seed 1": {**outlier(4, 1, per_token=True), "train.seed": 1},
+    # issue 26: the forward/backward split of the best arm's loss (the other direction dense)
+    "Outlier 4b-1b tok fwd only": outlier(4, 1, per_token=True, compress="fwd"),
+    "Outlier 4b-1b tok bwd only": outlier(4, 1, per_token=True, compress="bwd"),
+    # issue 26's codecs: Lloyd-Max grid (LM), per-token backward scales, token-sparse backward (T = kept share)
+    "LM 4b-1b tok": lm(4, 1),
+    "LM 3b-1b tok": lm(3, 1),
+    "LM 2b-1b tok": lm(2, 1),
+    "LM 2b-2b tok T50": lm(2, 2, outlier_bwd_tokens=0.5),
+    "LM 2b-1b tok T50": lm(2, 1, outlier_bwd_tokens=0.5),
+    "LM 2b-1b tok T25": lm(2, 1, outlier_bwd_tokens=0.25),
+    "LM 2b-1b tok C32 T25": lm(2, 1, channels=32, outlier_bwd_tokens=0.25),
+    "LM 1b-1b tok C8 T25": lm(1, 1, channels=8, outlier_bwd_tokens=0.25),
+    "LM 1b-1b tok T25": lm(1, 1, outlier_bwd_tokens=0.25),
 }
+
+
+def run_folder(out: Path, arm: str, seed: int, steps: int) -> Path:
+    name = arm + (f" seed {seed}" if seed else "") + (f" steps {steps}" if steps != BASE["train.steps"] else "")
+    return arm_dir(out, name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="experiments/frontier/results")
-    ap.add_argument("--jobs", type=int, default=2, help="arms run in parallel")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per arm")
+    ap.add_argument("--jobs", type=int, default=2, help="runs in parallel")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per run")
     ap.add_argument("--only", default="", help="comma-separated arm names to run")
+    ap.add_argument("--seeds", default="0", help="comma-separated train.seed values, e.g. 0,1,2")
+    ap.add_argument("--steps", type=int, default=BASE["train.steps"], help="steps per run (the 3x check: 300)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "suite.json").write_text(json.dumps({"base": BASE, "arms": ARMS}, indent=2))
-    arms = select(ARMS, args.only, "frontier")
-    run_suite(arms, out, BASE, args.jobs, args.threads)
-    for name in arms:
-        shutil.rmtree(arm_dir(out, name) / "checkpoint", ignore_errors=True)
+    (out / "suite.json").write_text(json.dumps({"base": FRONTIER_BASE, "arms": ARMS}, indent=2))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = {}
+    for name, sets in select(ARMS, args.only, "frontier").items():
+        for seed in seeds:
+            folder = run_folder(out, name, seed, args.steps)
+            runs[folder.name] = ({**sets, "train.seed": seed, "train.steps": args.steps}, folder)
+    run_suite({k: v[0] for k, v in runs.items()}, out, FRONTIER_BASE, args.jobs, args.threads,
+              folders={k: v[1] for k, v in runs.items()})
+    for _, folder in runs.values():
+        if (folder / "summary.json").is_file():
+            shutil.rmtree(folder / "checkpoint", ignore_errors=True)
 
 
 if __name__ == "__main__":

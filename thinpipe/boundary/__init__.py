@@ -44,7 +44,9 @@ def _tahquant(cfg, b, hidden, seed, wire_dtype, model, shared):
 def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
     intact = None if cfg.outlier_dtype == "wire" else torch.bfloat16
     return OutlierBoundary(b, hidden, cfg.outlier_channels, *cfg.bits(), cfg.quant_group, wire_dtype,
-                           cfg.outlier_scale_group, intact)
+                           cfg.outlier_scale_group, intact, grid=cfg.outlier_grid,
+                           bwd_scale_group=cfg.outlier_bwd_scale_group, bwd_tokens=cfg.outlier_bwd_tokens,
+                           compress=cfg.compress)
 
 
 def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):

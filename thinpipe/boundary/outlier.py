@@ -18,11 +18,26 @@ tile at ``bwd_bits`` in the same way.
 Two byte savers for the forward (issue 17's frontier): ``outlier_scale_group`` = S dims share one
 offset and step (S a multiple of G dividing H; S = H, or -1, is one pair per token: 36 -> 4 B per
 token at H = 576, G = 64), and ``outlier_dtype = bfloat16`` sends the intact channels in bf16 whatever the
-wire (fp32 wire: 64 -> 32 B at C = 16). The backward keeps one pair per tile: its 1-bit codes need
-the tile's own range.
+wire (fp32 wire: 64 -> 32 B at C = 16). The backward keeps one pair per tile by default: min/max
+1-bit codes need the tile's own range.
 
-Bytes per token (forward, backward): C x intact bytes + H x fwd_bits / 8 + (H / S) x 4, and
-H x bwd_bits / 8 + (H / G) x 4 (``expected_bytes``; tests check them against the meter).
+Issue 26's settings (each measured in experiments/frontier/README.md):
+
+- ``grid = "lloyd-max"``: the rotated values are close to Gaussian (excess kurtosis ~0 on SmolLM2's
+  boundaries, ``experiments/frontier/diagnose.py``), so the Lloyd-Max levels of N(0, 1) scaled by each
+  group's RMS (``lloyd_max.py``; one bf16 scale, 2 B per group instead of min/max's 4) replace the
+  min/max grid: relative MSE 0.36 instead of 2.7 at 1 bit, 0.12 instead of 0.21 at 2 bits.
+- ``bwd_scale_group``: the backward's scale group, as ``scale_group`` is the forward's.
+- ``bwd_tokens = f < 1``: token-sparse backward. The receiver sends the gradients of the
+  K = ceil(f x N) tokens of the microbatch's N with the largest gradient norm (on SmolLM2 the top
+  half hold 95-99% of the energy), a bitmap of N bits naming them; the others arrive as zeros.
+- ``compress = "fwd"`` / ``"bwd"``: only that direction is compressed, the other crosses dense in
+  the wire dtype (the forward/backward split of a setting's loss).
+
+Bytes per token (forward, backward), with s = 4 (minmax) or 2 (lloyd-max) B per scale group:
+C x intact bytes + H x fwd_bits / 8 + (H / S) x s, and, per microbatch of N tokens,
+K x (H x bwd_bits / 8 + (H / S_bwd) x s) + N / 8 (the bitmap, only when f < 1); a dense direction
+is H x wire bytes (``expected_bytes``; tests check them against the meter).
 """
 
 from __future__ import annotations
@@ -31,30 +46,44 @@ import math
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.lloyd_max import RMS_SCALE_BYTES, dequantize_rms, quantize_rms
 from thinpipe.boundary.quant import SCALE_BYTES, QuantBoundary, dequantize, pack_bits, packed_bytes, quantize, \
     unpack_bits
 from thinpipe.boundary.tahquant import hadamard
+
+GRIDS = ("minmax", "lloyd-max")
 
 
 class OutlierBoundary(QuantBoundary):
     kind = "outlier"
 
     def __init__(self, index: int, hidden_size: int, channels: int, fwd_bits: int, bwd_bits: int, group: int,
-                 wire_dtype: torch.dtype | None = None, scale_group: int = 0, intact_dtype: torch.dtype | None = None):
+                 wire_dtype: torch.dtype | None = None, scale_group: int = 0, intact_dtype: torch.dtype | None = None,
+                 *, grid: str = "minmax", bwd_scale_group: int = 0, bwd_tokens: float = 1.0, compress: str = "both"):
         super().__init__(index, hidden_size, fwd_bits, bwd_bits, group, wire_dtype)
         if self.group & (self.group - 1):
             raise ValueError(f"outlier tiles are Hadamard-rotated: boundary.quant_group must be a power of two, got "
                              f"{self.group}")
-        self.scale_group = hidden_size if scale_group == -1 else scale_group or self.group
-        if self.scale_group % self.group or hidden_size % self.scale_group:
-            raise ValueError(f"boundary.outlier_scale_group = {scale_group} must be a multiple of the tile "
-                             f"(boundary.quant_group = {self.group}) that divides the hidden size {hidden_size}")
+        self.scale_group = self._scale_group(scale_group, "outlier_scale_group")
+        self.bwd_scale_group = self._scale_group(bwd_scale_group, "outlier_bwd_scale_group")
+        if grid not in GRIDS or not 0 < bwd_tokens <= 1 or compress not in ("both", "fwd", "bwd"):
+            raise ValueError(f"outlier: grid {grid!r}, bwd_tokens {bwd_tokens}, compress {compress!r} are not "
+                             f"{GRIDS}, in (0, 1] and both/fwd/bwd")
+        self.grid, self.bwd_tokens, self.compress = grid, bwd_tokens, compress
+        self.scale_bytes = RMS_SCALE_BYTES if grid == "lloyd-max" else SCALE_BYTES
         self.intact_dtype = intact_dtype  # None: the wire dtype
         if not 0 <= channels < hidden_size:
             raise ValueError(f"boundary.outlier_channels must be in [0, {hidden_size}), got {channels}")
         # Until the residual start calibrates them: the first C channels (a start, never a result).
         self.register_buffer("channels", torch.arange(channels, dtype=torch.int64))
+
+    def _scale_group(self, size: int, name: str) -> int:
+        s = self.hidden_size if size == -1 else size or self.group
+        if s % self.group or self.hidden_size % s:
+            raise ValueError(f"boundary.{name} = {size} must be a multiple of the tile (boundary.quant_group = "
+                             f"{self.group}) that divides the hidden size {self.hidden_size}")
+        return s
 
     # the residual start: calibration, agreed by both ends ----------------------------------------
     def residual_offset(self, ids):
@@ -80,16 +109,28 @@ class OutlierBoundary(QuantBoundary):
     # the rotated tiles -------------------------------------------------------------------------------
     def _pack(self, t: torch.Tensor, bits: int, scale: int) -> dict[str, torch.Tensor]:
         rotated = hadamard(t.float().reshape(-1, self.group)).reshape(-1, scale)  # a token's tiles stay together
+        if self.grid == "lloyd-max":
+            codes, rms = quantize_rms(rotated, bits, scale)
+            return {"codes": pack_bits(codes, bits), "scale": rms}
         codes, lo, step = quantize(rotated, bits, scale)
         return {"codes": pack_bits(codes, bits), "offset": lo, "step": step}
 
-    def _unpack(self, p: dict[str, torch.Tensor], bits: int, scale: int, ctx) -> torch.Tensor:
-        shape = (*ctx.input_ids.shape, self.hidden_size)
-        codes = unpack_bits(p["codes"], bits, math.prod(shape)).reshape(-1, scale)
-        return hadamard(dequantize(codes, p["offset"], p["step"], (-1, self.group))).reshape(shape)
+    def _unpack(self, p: dict[str, torch.Tensor], bits: int, scale: int, tokens: int) -> torch.Tensor:
+        """(tokens, H) from the packed codes of ``tokens`` tokens."""
+        codes = unpack_bits(p["codes"], bits, tokens * self.hidden_size).reshape(-1, scale)
+        if self.grid == "lloyd-max":
+            values = dequantize_rms(codes, p["scale"], bits, (-1, self.group))
+        else:
+            values = dequantize(codes, p["offset"], p["step"], (-1, self.group))
+        return hadamard(values).reshape(tokens, self.hidden_size)
+
+    def _kept(self, tokens: int) -> int:
+        return math.ceil(self.bwd_tokens * tokens)
 
     # sender / receiver ---------------------------------------------------------------------------
     def encode(self, x, ctx):
+        if self.compress == "bwd":
+            return Boundary.encode(self, x, ctx)
         rest = x.detach().float().clone()
         intact = rest[..., self.channels]
         rest[..., self.channels] = 0.0
@@ -97,20 +138,47 @@ class OutlierBoundary(QuantBoundary):
         return x, Payload({"intact": intact, **self._pack(rest, self.fwd_bits, self.scale_group)})
 
     def decode(self, payload, ctx):
+        if self.compress == "bwd":
+            return Boundary.decode(self, payload, ctx)
         p = payload.tensors
-        x = self._unpack(p, self.fwd_bits, self.scale_group, ctx)
+        shape = (*ctx.input_ids.shape, self.hidden_size)  # both ends know the microbatch's shape
+        x = self._unpack(p, self.fwd_bits, self.scale_group, math.prod(shape[:-1])).reshape(shape)
         x[..., self.channels] = p["intact"].float()
         return x
 
     def encode_grad(self, g, ctx):
-        return Payload(self._pack(g, self.bwd_bits, self.group))
+        if self.compress == "fwd":
+            return Boundary.encode_grad(self, g, ctx)
+        flat = g.detach().float().reshape(-1, self.hidden_size)
+        if self.bwd_tokens == 1:
+            return Payload(self._pack(flat, self.bwd_bits, self.bwd_scale_group))
+        keep = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
+        keep[flat.pow(2).sum(1).topk(self._kept(flat.shape[0])).indices] = True
+        return Payload({"tokens": pack_bits(keep, 1), **self._pack(flat[keep], self.bwd_bits, self.bwd_scale_group)})
 
     def decode_grad(self, payload, ctx):
-        return self._unpack(payload.tensors, self.bwd_bits, self.group, ctx)
+        if self.compress == "fwd":
+            return Boundary.decode_grad(self, payload, ctx)
+        p = payload.tensors
+        shape = (*ctx.input_ids.shape, self.hidden_size)
+        n = math.prod(shape[:-1])
+        if self.bwd_tokens == 1:
+            return self._unpack(p, self.bwd_bits, self.bwd_scale_group, n).reshape(shape)
+        keep = unpack_bits(p["tokens"], 1, n).bool()
+        k = self._kept(n)
+        if int(keep.sum()) != k:  # a peer's bitmap must name exactly the K tokens whose codes follow
+            raise ValueError(f"boundary {self.index}: the gradient's token bitmap names {int(keep.sum())} tokens, not {k}")
+        g = torch.zeros(n, self.hidden_size, device=p["codes"].device)
+        g[keep] = self._unpack(p, self.bwd_bits, self.bwd_scale_group, k)
+        return g.reshape(shape)
 
     def expected_bytes(self, tokens, element_size):
-        n = tokens * self.hidden_size
+        n, dense = tokens * self.hidden_size, tokens * self.hidden_size * element_size
         intact = torch.empty((), dtype=self.intact_dtype).element_size() if self.intact_dtype else element_size
-        return (tokens * self.channels.numel() * intact + packed_bytes(n, self.fwd_bits)
-                + n // self.scale_group * SCALE_BYTES,
-                packed_bytes(n, self.bwd_bits) + n // self.group * SCALE_BYTES)
+        fwd = tokens * self.channels.numel() * intact + packed_bytes(n, self.fwd_bits) + n // self.scale_group * \
+            self.scale_bytes
+        k = self._kept(tokens) * self.hidden_size
+        bwd = packed_bytes(k, self.bwd_bits) + k // self.bwd_scale_group * self.scale_bytes
+        if self.bwd_tokens < 1:
+            bwd += packed_bytes(tokens, 1)
+        return dense if self.compress == "bwd" else fwd, dense if self.compress == "fwd" else bwd

@@ -85,9 +85,22 @@ class BoundaryConfig:
     outlier_scale_group: int = 0
     """``outlier``: hidden dims that share one offset and step in the forward (0 = the rotation
     tile, ``quant_group``; -1 or the hidden size = one pair per token). A multiple of
-    ``quant_group`` that divides the hidden size. The backward keeps one pair per tile."""
+    ``quant_group`` that divides the hidden size. The backward's is ``outlier_bwd_scale_group``."""
     outlier_dtype: str = "wire"
     """``outlier``: the intact channels' dtype: ``wire`` (``boundary.dtype``) or ``bfloat16``."""
+    outlier_grid: str = "minmax"
+    """``outlier``: the rotated values' grid, both ways: ``minmax`` (uniform between each group's min
+    and max, bf16 offset + step: 4 B per group) or ``lloyd-max`` (the Lloyd-Max levels of a unit
+    Gaussian scaled by the group's RMS, one bf16 scale: 2 B per group; boundary/lloyd_max.py)."""
+    outlier_bwd_scale_group: int = 0
+    """``outlier``: hidden dims that share one scale in the backward (0 = the tile, ``quant_group``;
+    -1 or the hidden size = one per token); the same rules as ``outlier_scale_group``."""
+    outlier_bwd_tokens: float = 1.0
+    """``outlier``: fraction of a microbatch's tokens whose activation gradient is sent back (those
+    with the largest gradient norm; a bitmap of 1 bit per token says which); the rest arrive as 0."""
+    compress: str = "both"
+    """``outlier``: the directions compressed: ``both``, ``fwd`` (the gradient crosses dense in the
+    wire dtype) or ``bwd`` (the activation crosses dense): issue 26's forward/backward split."""
     ssn_refresh_every: int = 500
     """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
     ssn_refresh_lr: float = 0.01
@@ -150,6 +163,15 @@ class BoundaryConfig:
         if self.outlier_scale_group < -1 or self.outlier_dtype not in ("wire", "bfloat16"):
             raise ConfigError("boundary.outlier_scale_group must be >= -1 and boundary.outlier_dtype wire or bfloat16, "
                               f"got {self.outlier_scale_group} and {self.outlier_dtype!r}")
+        if self.outlier_grid not in ("minmax", "lloyd-max") or self.outlier_bwd_scale_group < -1:
+            raise ConfigError("boundary.outlier_grid must be minmax or lloyd-max and boundary.outlier_bwd_scale_group "
+                              f">= -1, got {self.outlier_grid!r} and {self.outlier_bwd_scale_group}")
+        if not 0 < self.outlier_bwd_tokens <= 1:
+            raise ConfigError(f"boundary.outlier_bwd_tokens must be in (0, 1], got {self.outlier_bwd_tokens}")
+        if self.compress not in ("both", "fwd", "bwd"):
+            raise ConfigError(f"boundary.compress must be both, fwd or bwd, got {self.compress!r}")
+        if self.compress != "both" and self.kind != "outlier":
+            raise ConfigError(f"boundary.compress = {self.compress} is an outlier setting; boundary.kind is {self.kind}")
         if self.kind == "outlier" and self.quant_group & (self.quant_group - 1):
             raise ConfigError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "
                               f"{self.quant_group}")

@@ -23,7 +23,7 @@ import torch
 from .chat import resolve_chat_format, tokenize_messages
 from .corpora import CORPORA, load_examples
 from .packing import PackedDataset, pack
-from .user_data import build_file_dataset
+from .user_data import SPLIT_SEED, build_file_dataset
 
 
 def derive_seed(*parts) -> int:
@@ -45,7 +45,8 @@ def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int, max
 
     Built-in corpora: the examples are shuffled by `seed` before `max_examples` takes the first ones,
     so a small subset is a random sample, not the first subject of the source file. Rows are shuffled
-    by `seed` too. A user's files stream through user_data.py (held-out rows from `val_name` or a
+    by `seed` too. The held-out split (``split = "val"``) ignores `seed` and uses ``SPLIT_SEED``: runs
+    of every seed are scored on the same rows, so their losses pair (issue 26). A user's files stream through user_data.py (held-out rows from `val_name` or a
     seeded `val_fraction`; `max_examples` takes the first rows). `tokenizer` is an HF tokenizer or a
     ByteTokenizer; padding uses its pad_token_id, or its eos_token_id when it has no pad token.
     """
@@ -56,6 +57,8 @@ def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int, max
         raise ValueError("tokenizer has neither pad_token_id nor eos_token_id to pad rows with")
     if max_examples is not None and max_examples <= 0:
         raise ValueError(f"max_examples must be positive or None, got {max_examples}")
+    if split == "val":
+        seed = SPLIT_SEED
     if name not in CORPORA:
         return build_file_dataset(name, tokenizer, seq_len, split, seed, max_examples, chat_format, val_name,
                                   val_fraction, skip_bad_rows, pad_id)

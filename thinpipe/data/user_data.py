@@ -49,8 +49,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256((core + json.dumps(extra, default=str)).encode()).hexdigest()
 
 
-SPLIT_SEED = 0  # the held-out coin does not follow train.seed: runs of any seed (and --init-from chains on
-               # one file) are scored on the same held-out rows
+SPLIT_SEED = 0  # neither the held-out coin nor the held-out rows' order follows train.seed: runs of any seed
+               # (and --init-from chains on one file) are scored on the same held-out rows (issue 26)
 
 
 def in_val(ordinal: int, fraction: float) -> bool:
