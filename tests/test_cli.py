@@ -157,7 +157,7 @@ def test_demo_quick_runs_all_arms(tmp_path, capsys):
     out = capsys.readouterr().out
     for arm in ("Dense", "M95", "M95+AP", "Outlier 4b-1b"):
         assert f"\n{arm} " in out
-    assert "within 1% of Dense's held-out loss: " in out
+    assert "within 1% of Dense's held-out loss on 1 seed (seed 0): " in out and "against Dense's fp32 wire" in out
     assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()
 
 

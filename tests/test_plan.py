@@ -348,6 +348,79 @@ def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     assert got == pytest.approx((fwd + bwd) / 1024, rel=0.01)
 
 
+WIRE_KINDS = {"identity": {}, "mask": {"boundary.p": "0.9"}, "topk": {"boundary.p": "0.9"}, "quant4": {},
+              # the demo's arm (intact channels in bf16), and its intact channels on the wire dtype
+              "outlier": {"boundary.fwd_bits": "4", "boundary.bwd_bits": "1", "boundary.outlier_channels": "4",
+                          "boundary.quant_group": "16", "boundary.outlier_scale_group": "-1",
+                          "boundary.outlier_dtype": "bfloat16"}}
+WIRE_KINDS["outlier-wire"] = {**WIRE_KINDS["outlier"], "boundary.outlier_dtype": "wire"}
+
+
+@pytest.fixture(scope="module")
+def metered():
+    """PP bytes per token the simulated mesh's meter counts for each kind on an fp32 and a bf16 wire
+    (tiny-llama, 2 stages, one step of 2 x 16 tokens), with the plan of the same config."""
+    from tests.helpers import tiny_batch, tiny_model
+    from thinpipe.engine.sim import SimMesh
+
+    out = {}
+    for wire in ("float32", "bfloat16"):
+        for kind, extra in WIRE_KINDS.items():
+            sets = {"model.name": "tiny-llama", "mesh.pp": "2", "train.batch_size": "2", "train.seq_len": "16",
+                    "link.pp_mbps": "100", "boundary.kind": kind.split("-")[0], "boundary.dtype": wire, **extra}
+            cfg = load_config(None, [f"{k}={v}" for k, v in sets.items()])
+            mesh = SimMesh(tiny_model("llama"), cfg)
+            mesh.forward_backward([tiny_batch(batch_size=2, seq_len=16)])
+            measured = (mesh.meter.totals["pp_fwd"] + mesh.meter.totals["pp_bwd"]) / 32
+            out[wire, kind] = measured, plan(cfg, DEVICES["a100-40gb"])
+    return out
+
+
+@pytest.mark.parametrize("wire", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["mask", "topk", "quant4", "outlier", "outlier-wire"])
+def test_closed_form_bytes_and_compression_equal_the_meter_on_either_wire(metered, kind, wire):
+    """Issue 26: the plan's PP bytes are the meter's on the wire boundary.dtype sets, and its
+    compression is against Dense on that same wire, named in the result."""
+    got, r = metered[wire, kind]
+    dense, dense_plan = metered[wire, "identity"]
+    assert r["bytes_per_token"]["pp"] == pytest.approx(got, rel=1e-12)
+    assert r["dense_pp_bytes_per_token"] == dense_plan["bytes_per_token"]["pp"] == dense == 2 * 64 * (
+        2 if wire == "bfloat16" else 4)
+    assert r["pp_wire_dtype"] == wire and r["pp_compression_x"] == pytest.approx(dense / got, rel=1e-12)
+
+
+def test_codes_do_not_shrink_on_a_bf16_wire_but_values_do(metered):
+    """A quantiser's codes are the same bytes on either wire, so its ratio against a bf16 Dense is
+    half its ratio against an fp32 one; masking's values halve with Dense's; top-K's values halve but
+    not their int16 indices, and an outlier's intact channels in the wire dtype halve but not its codes."""
+    for kind in ("quant4", "outlier"):
+        assert metered["bfloat16", kind][0] == metered["float32", kind][0]
+        assert metered["bfloat16", kind][1]["pp_compression_x"] == pytest.approx(
+            metered["float32", kind][1]["pp_compression_x"] / 2)
+    assert metered["bfloat16", "mask"][0] == metered["float32", "mask"][0] / 2
+    assert metered["bfloat16", "mask"][1]["pp_compression_x"] == pytest.approx(
+        metered["float32", "mask"][1]["pp_compression_x"])
+    for kind in ("topk", "outlier-wire"):  # top-K's int16 indices and the outlier's codes stay; their values halve
+        fp32, bf16 = (metered[w, kind][1]["pp_compression_x"] for w in ("float32", "bfloat16"))
+        assert fp32 / 2 < bf16 < fp32, kind
+    # the 4 intact channels of 32 tokens in fp32, then in bf16: 2 B each fewer
+    assert metered["float32", "outlier-wire"][0] - metered["bfloat16", "outlier-wire"][0] == 4 * 2
+
+
+def test_the_plan_resolves_auto_on_its_device_and_prints_the_wire_it_compares_against(capsys):
+    """train.dtype = auto is bf16 on a GPU profile: Dense sends 2 B per value there, and the printed
+    ratio says so; boundary.dtype = float32 keeps an fp32 wire on the same device."""
+    base = ["plan", "--set", "model.name=smollm2-135m", "--set", "mesh.pp=4", "--set", "link.pp_mbps=200",
+            "--set", "boundary.kind=quant4"]
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "bytes/token pp" in out and "3.6x (against Dense on this plan's bf16 wire: 6,912 B/token)" in out
+    assert main([*base, "--set", "boundary.dtype=float32", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["pp_wire_dtype"] == "float32" and r["dense_pp_bytes_per_token"] == 13_824
+    assert r["bytes_per_token"]["pp"] == 1944 and r["pp_compression_x"] == pytest.approx(13_824 / 1944)
+
+
 def test_lora_shrinks_dp_and_anchor_bytes_to_the_adapters_not_pp():
     full = _plan(boundary__kind="mask", boundary__p=0.95, mesh__anchor=1, dp__kind="allreduce", dp__rank=0)
     lora = _plan(boundary__kind="mask", boundary__p=0.95, mesh__anchor=1, dp__kind="allreduce", dp__rank=0,

@@ -1,10 +1,15 @@
 """``thinpipe compare RUN [RUN ...]``: runs side by side, the quality-for-bytes picture users decide from.
 
-One table (held-out loss at its best and at the end, bytes per token per axis, PP compression
-against the dense run among them, tokens/s) and, with ``--out``, ``compare.json`` and
+One table (held-out loss at its best and at the end, bytes per token per axis, the wire dtype, PP
+compression against the dense run among them, tokens/s) and, with ``--out``, ``compare.json`` and
 ``compare.png``: held-out loss against step and against the PP bytes sent so far (log scale).
 A run still training is compared from its ``metrics.jsonl`` (marked "running"; its "vs dense" is
 then at a different step than a finished run's).
+
+Compression is stated against the Dense run's actual wire (issue 26): on a GPU ``train.dtype = auto``
+trains in bf16 and Dense sends 2 B per value, so a quantiser's ratio (its codes do not shrink with the
+wire) against an fp32 Dense is twice what a bf16 user gets; masking's is the same on both. The table
+names that wire and its bytes, and says so when the runs crossed different wires.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from thinpipe.config import ConfigError
 from thinpipe.jsonl import read_rows
 
 AXES_SHOWN = ("pp_fwd", "pp_bwd", "dp", "anchor")
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 MISTYPED = (KeyError, TypeError, ValueError, IndexError, OverflowError)  # a value missing or of the wrong type
 
 
@@ -39,6 +45,17 @@ def _read(path: Path, parse, fix: str):
 
 def _why(e: Exception) -> str:
     return f"no {e}" if isinstance(e, KeyError) else (str(e).splitlines() or [type(e).__name__])[0]
+
+
+def wire_dtype(cfg: dict) -> str | None:
+    """The dtype a run's PP values crossed in, from its config.toml as ``engine/setup.py: wire_dtype``
+    resolves it: ``boundary.dtype``, or with ``auto`` the training dtype the run folder records
+    (resolved on the run's device); None where the folder leaves it unresolved (an older run)."""
+    b, t = cfg.get("boundary"), cfg.get("train")
+    name = b.get("dtype", "auto") if isinstance(b, dict) else "auto"
+    if name == "auto":
+        name = t.get("dtype", "auto") if isinstance(t, dict) else "auto"
+    return name if name in SHORT else None
 
 
 def _summary(s) -> tuple[list, int, dict, float | None, dict]:
@@ -101,7 +118,7 @@ def load(folder: str | Path) -> dict:
         raise ConfigError(f"{folder} has no held-out loss yet: set eval.every, or wait for it to finish")
     by_step[0] = 0
     return {
-        "run": folder.name, "path": str(folder), "finished": done, "kind": kind,
+        "run": folder.name, "path": str(folder), "finished": done, "kind": kind, "wire_dtype": wire_dtype(cfg),
         "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
         "best_val_loss": min(p[1] for p in points), "final_val_loss": points[-1][1],
         "bytes_per_token": {a: per_token.get(a, 0.0) for a in AXES_SHOWN},
@@ -122,11 +139,39 @@ def compare(folders: list[str | Path]) -> dict:
                                if dense and dense["pp_bytes_per_token"] and r["pp_bytes_per_token"] else None)
         r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense and dense["final_val_loss"] \
             else None
-    return {"dense": dense["run"] if dense else None, "runs": runs}
+    return {"dense": dense["run"] if dense else None, "runs": runs,
+            "dense_wire_dtype": dense["wire_dtype"] if dense else None,
+            "dense_pp_bytes_per_token": dense["pp_bytes_per_token"] if dense else None,
+            "accounting": accounting(dense, runs)}
+
+
+def accounting(dense: dict | None, runs: list[dict]) -> list[str]:
+    """The lines that say what the compression is against: Dense's wire and bytes, and whether the runs
+    crossed different wires (a ratio or a loss across wires is not like-for-like)."""
+    if dense is None:
+        return ["compr. and vs dense: - (no dense run among these to compare against: train one with "
+                "boundary.kind = identity)"]
+    wire = SHORT.get(dense["wire_dtype"], "unrecorded")
+    if not dense["pp_bytes_per_token"]:
+        return [f"compr.: - (Dense, run {dense['run']}, sends no PP bytes: one stage)"]
+    lines = [f"compr. = Dense's PP bytes / this run's, against Dense's {wire} wire "
+             f"({dense['pp_bytes_per_token']:,.0f} B/token, run {dense['run']})"
+             + (f"; against a bf16 wire (train.dtype = auto on a GPU: {dense['pp_bytes_per_token'] / 2:,.0f} B/token) "
+                "a quantiser's ratio halves (its codes do not shrink), a mask's does not"
+                if dense["wire_dtype"] == "float32" else "")]
+    by_wire: dict[str, list[str]] = {}
+    for r in runs:
+        by_wire.setdefault(SHORT.get(r["wire_dtype"], "unrecorded"), []).append(r["run"])
+    if len(by_wire) > 1:
+        lines.append("these runs crossed different wires (" + "; ".join(f"{w}: {', '.join(n)}" for w, n in
+                                                                       by_wire.items())
+                     + "): a ratio or a loss across wires is not like-for-like; compare runs of one boundary.dtype "
+                       "(auto: train.dtype)")
+    return lines
 
 
 def format_table(result: dict) -> str:
-    head = (f"{'run':<22}{'kind':<10}{'best held-out':>14}{'final':>9}{'vs dense':>10}{'PP B/tok':>10}"
+    head = (f"{'run':<22}{'kind':<10}{'best held-out':>14}{'final':>9}{'vs dense':>10}{'wire':>6}{'PP B/tok':>10}"
             f"{'compr.':>8}{'DP B/tok':>10}{'anchor B/tok':>13}{'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
@@ -134,13 +179,13 @@ def format_table(result: dict) -> str:
         comp = "-" if r["pp_compression"] is None else f"{r['pp_compression']:.1f}x"
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
         name = r["run"] + ("" if r["finished"] else " (running)")
+        wire = SHORT.get(r["wire_dtype"], "?")
         lines.append(f"{name:<22}{r['kind']:<10}{r['best_val_loss']:>14.4f}{r['final_val_loss']:>9.4f}{vs:>10}"
-                     f"{r['pp_bytes_per_token']:>10.1f}{comp:>8}{r['bytes_per_token']['dp']:>10.1f}"
+                     f"{wire:>6}{r['pp_bytes_per_token']:>10.1f}{comp:>8}{r['bytes_per_token']['dp']:>10.1f}"
                      f"{r['bytes_per_token']['anchor']:>13.1f}{tps:>8}")
     lines.append("held-out loss is measured through dense boundaries; PP B/tok = forward + backward boundary bytes per "
-                 "trained token; compr. = the dense run's PP bytes / this run's" +
-                 ("" if result["dense"] else " (no dense run among these: boundary.kind = identity)"))
-    return "\n".join(lines)
+                 "trained token; wire = the dtype PP values cross in (boundary.dtype; auto: train.dtype)")
+    return "\n".join(lines + result["accounting"])
 
 
 def plot(result: dict, path: Path) -> None:

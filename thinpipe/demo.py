@@ -2,10 +2,13 @@
 dense boundaries vs 95% random activation masking (M95, paper §3.1) vs M95 with anchor priors and
 the spectral correction (M95+AP, §3.2) vs the compressor with the best quality for its bytes in our
 frontier experiment (``outlier``: calibrated outlier channels intact in bf16, the rest
-Hadamard-rotated 4-bit codes with one scale pair per token forward, 1-bit codes backward; 10.7x
-fewer PP bytes at +0.8% / +2.2% held-out loss after 100 steps (seeds 0 / 1), where M95 is +44% and
-M90 +98%; experiments/frontier/README.md), same steps and tokens. The table ends by naming the arms whose
-held-out loss is within 1% of Dense's (measured, not assumed).
+Hadamard-rotated 4-bit codes with one scale pair per token forward, 1-bit codes backward; 1,296 PP
+B/token: 10.7x fewer than Dense's fp32 wire, 5.3x fewer than the bf16 wire a GPU sends with
+``train.dtype = auto`` (its codes do not shrink with the wire), at +0.8% / +2.2% held-out loss after
+100 steps (seeds 0 / 1), where M95 is +44% and M90 +98%; experiments/frontier/README.md), same steps
+and tokens. The table states compression against Dense's own wire (``thinpipe compare``) and ends by
+naming the arms whose held-out loss is within 1% of Dense's (measured, not assumed) on the one seed
+the demo runs, which it says: one seed is not a result at a 1% margin.
 
 Short-run settings (not the paper's): lr 1e-4 so that 30 steps visibly adapt the model, and anchor
 staleness delta = 10 so that a 30-step run consumes 2 priors (the paper's delta is 20-25).
@@ -61,7 +64,7 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
         results[name] = train(arm_config(base, arm), out / name)
     side_by_side = compare([out / name for name in ARMS])  # the summary is `thinpipe compare` of the arms
     print(format_table(side_by_side))
-    print(keeps_quality(results))
+    print(keeps_quality(results, arm_config(base, ARMS["Dense"]).train.seed))
     print("anchor B/tok = the anchor circuit's weight pull + unmasked PP pass + gradient push, off the critical path;\n"
           "tok/s is this CPU's simulation speed, not a mesh's.")
     (out / "demo_summary.json").write_text(json.dumps({"base": base, "arms": ARMS, "results": results}, indent=2))
@@ -72,10 +75,14 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
     return 0
 
 
-def keeps_quality(results: dict) -> str:
-    """The line naming the arms whose final held-out loss is within KEEPS_QUALITY of Dense's."""
+def keeps_quality(results: dict, seed: int) -> str:
+    """The line naming the arms whose final held-out loss is within KEEPS_QUALITY of Dense's, and the one
+    seed (``train.seed``) it rests on: on the demo's own recipe Outlier 4b-1b vs Dense is -0.0% / +1.24% /
+    +0.34% on seeds 0 / 1 / 2 (issue 26), so one seed can say "within" where another says "not"."""
     dense = results["Dense"]
     kept = [n for n, s in results.items() if n != "Dense"
             and s["final_val_loss"] <= dense["final_val_loss"] * (1 + KEEPS_QUALITY)]
-    return (f"within {KEEPS_QUALITY:.0%} of Dense's held-out loss: {', '.join(kept) if kept else 'none'}; "
-            "the others lose quality for their bytes")
+    others = "; the others lose quality for their bytes" if len(kept) < len(results) - 1 else ""
+    return (f"within {KEEPS_QUALITY:.0%} of Dense's held-out loss on 1 seed (seed {seed}): "
+            f"{', '.join(kept) if kept else 'none'}{others}; one seed is not a result at a {KEEPS_QUALITY:.0%} "
+            "margin: see experiments/frontier/README.md for the paired 3-seed table")

@@ -252,5 +252,5 @@ def _describe(c: Candidate) -> str:
 def _summary(c: Candidate) -> dict:
     r = c.result
     keys = ("tokens_per_s", "tokens_per_s_overlapped", "step_time_s", "t_compute_s", "t_pp_s", "t_dp_s",
-            "bytes_per_token_total", "k_stale")
+            "bytes_per_token_total", "pp_wire_dtype", "dense_pp_bytes_per_token", "pp_compression_x", "k_stale")
     return {**{k: r[k] for k in keys if k in r}, "powersgd_x": c.powersgd_x, "dp_compression_x": c.dp_compression_x}

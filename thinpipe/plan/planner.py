@@ -4,8 +4,11 @@ training config, a model architecture and a device profile with the paper's clos
 schedule-level simulation (``des.py``; the ``des_*`` keys). Every number says where it comes from.
 
 Inputs read from the config: mesh.dp (fast replicas D), mesh.pp (stages K), mesh.anchor;
-train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per element);
-boundary.kind and boundary.p (fraction of activations sent); dp.kind, dp.rank, dp.inner_steps
+train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per DP element);
+boundary.dtype (the PP wire: ``auto`` is train.dtype, as ``engine/setup.py: wire_dtype``; it sets
+b_act, and Dense's bytes that the PP compression is stated against); boundary.kind and boundary.p
+(fraction of a dense boundary's bytes sent: a quantiser's codes are the same bytes on either wire,
+so its fraction doubles on a bf16 one); dp.kind, dp.rank, dp.inner_steps
 (PowerSGD ratio from the architecture's matrix shapes, DiLoCo's sync interval); anchor.push_rank;
 link.pp_mbps and link.dp_mbps (bandwidths; the anchor's pull and push use the DP link).
 """
@@ -89,6 +92,19 @@ def powersgd_ratio(arch: Architecture, rank: int, lora=None) -> float:
     return sent / dense
 
 
+def wire_dtype_name(cfg: Config) -> str:
+    """The dtype PP activations and gradients cross in: ``boundary.dtype``, or with ``auto`` the
+    training dtype (``engine/setup.py: wire_dtype``); an unresolved ``train.dtype = auto`` is fp32
+    (the CPU's; ``plan/command.py`` resolves it for the plan's device first)."""
+    name = cfg.boundary.dtype if cfg.boundary.dtype != "auto" else cfg.train.dtype
+    return "bfloat16" if name == "bfloat16" else "float32"
+
+
+def wire_bytes(cfg: Config) -> int:
+    """b_act: bytes of one value on the PP wire."""
+    return 2 if wire_dtype_name(cfg) == "bfloat16" else 4
+
+
 def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> float:
     """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends."""
     b = cfg.boundary
@@ -147,25 +163,29 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     # DP syncs and the anchor's pull / push carry what trains: all N, or LoRA's adapters
     N_train = sum(r * c for r, c in arch.trained_matrices(t.lora)) if t.lora.rank else N
     S = t.batch_size * t.seq_len
-    b = 2 if t.dtype == "bfloat16" else 4
+    b = 2 if t.dtype == "bfloat16" else 4  # DP: the training dtype (the paper's b_grad)
+    # PP and the anchor's pull / push (anchor/codec.py casts them to it): the wire dtype, which
+    # boundary.dtype may set apart from train.dtype
+    b_act = wire_bytes(cfg)
     B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
-    rho_act = activation_fraction(cfg, arch, b) if rho_act is None else rho_act
+    rho_act = activation_fraction(cfg, arch, b_act) if rho_act is None else rho_act
     rho_dp, tau = 1.0, 1
     if d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0):
         rho_dp = powersgd_ratio(arch, d.rank or 4, t.lora)
     if d.kind in ("diloco", "streaming-diloco"):
         tau = d.inner_steps
     t_compute = cf.t_compute_s(N, S, K, device.peak_flops, device.mfu)
-    t_pp = cf.t_pp_s(K, S, H, b, rho_act, B_pp)
+    t_pp = cf.t_pp_s(K, S, H, b_act, rho_act, B_pp)
     t_dp = cf.t_dp_s(D, N_train, b, rho_dp, tau, B_dp)
     serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
     overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
     tokens = D * S
     M = t.microbatches
+    dense_pp = 2 * (K - 1) * H * b_act  # Dense's bytes per token on this wire, forward + backward
 
     def pipeline(rate: float) -> dict:
-        return simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b * rho_act,
-                                     S / M * H * b * rho_act, rate, link.pp_latency_ms / 1e3, t.schedule))
+        return simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b_act * rho_act,
+                                     S / M * H * b_act * rho_act, rate, link.pp_latency_ms / 1e3, t.schedule))
 
     pipe = pipeline(B_pp)
     # One NIC per stage position carrying all D replicas' traffic for that boundary: D flows in
@@ -185,21 +205,25 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
         "des_tokens_per_s_overlapped": tokens / max(pipe["makespan_s"], t_dp),
         "des_shared_source": "schedule simulation with every PP link shared fairly by the D replicas of its stages",
         "des_shared_pipeline_s": shared["makespan_s"], "des_shared_tokens_per_s": tokens / (shared["makespan_s"] + t_dp),
-        "bytes_per_token": {"pp": 2 * (K - 1) * H * b * rho_act,
+        # the PP compression is stated against Dense on this plan's own wire (issue 26): a quantiser's
+        # ratio against an fp32 Dense is twice its ratio against the bf16 Dense a GPU sends
+        "pp_wire_dtype": wire_dtype_name(cfg), "dense_pp_bytes_per_token": dense_pp,
+        "pp_compression_x": 1 / rho_act if K > 1 and rho_act > 0 else None,
+        "bytes_per_token": {"pp": dense_pp * rho_act,
                             "dp": (2 * (D - 1) / D * N_train * b * rho_dp / tau / S) if D > 1 else 0.0},
     }
     if m.anchor:
-        t_clean = cf.t_pp_s(K, S, H, b, 1.0, B_pp) + t_compute
+        t_clean = cf.t_pp_s(K, S, H, b_act, 1.0, B_pp) + t_compute
         push_ratio = powersgd_ratio(arch, cfg.anchor.push_rank, t.lora) if cfg.anchor.push_rank else 1.0
-        t_pull = cf.t_pull_s(N_train, K, b, B_dp)
-        t_push = cf.t_push_s(N_train / K * b * push_ratio, B_dp)
+        t_pull = cf.t_pull_s(N_train, K, b_act, B_dp)
+        t_push = cf.t_push_s(N_train / K * b_act * push_ratio, B_dp)
         out.update({"t_pull_s": t_pull, "t_clean_s": t_clean, "t_push_s": t_push, "t_mask_s": serial,
                     "k_stale": cf.k_stale(t_pull, t_clean, t_push, serial),
                     "k_stale_overlapped": cf.k_stale(t_pull, t_clean, t_push, serial, overlap=True)})
         every = cfg.anchor.every or cfg.anchor.staleness
         # per cycle: the pull (N b), the push to every fast replica, the anchor's dense PP pass
-        out["bytes_per_token"]["anchor"] = (N_train * b + N_train * b * push_ratio * D
-                                            + 2 * (K - 1) * H * b * S) / (every * tokens)
+        out["bytes_per_token"]["anchor"] = (N_train * b_act + N_train * b_act * push_ratio * D
+                                            + dense_pp * S) / (every * tokens)
     if replica_mtbf_h is not None:
         heal_s = heal_bytes(N, N_train, K, b, d.kind in ("diloco", "streaming-diloco")) / B_dp
         out["churn"] = {"replica_mtbf_h": replica_mtbf_h, "restart_s": restart_s, "heal_s": heal_s,

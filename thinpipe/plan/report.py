@@ -5,6 +5,17 @@ from __future__ import annotations
 
 import json
 
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def compression_text(r: dict) -> str:
+    """The PP compression of a plan, naming the Dense it is against: Dense on the plan's own wire
+    (issue 26: a quantiser's ratio against an fp32 Dense is twice what a bf16 user gets)."""
+    if r.get("pp_compression_x") is None:
+        return "- (one stage: no PP boundary)"
+    return (f"{r['pp_compression_x']:.1f}x (against Dense on this plan's {SHORT[r['pp_wire_dtype']]} wire: "
+            f"{r['dense_pp_bytes_per_token']:,.0f} B/token)")
+
 
 def print_plan(result: dict, name: str) -> None:
     rows = [("source", result["source"]), ("device", f"{name} ({result['device_source']}): "
@@ -20,6 +31,7 @@ def print_plan(result: dict, name: str) -> None:
              f"{result['des_tokens_per_s']:.0f} / {result['des_tokens_per_s_overlapped']:.0f}"),
             ("schedule simulation, links shared by replicas: tokens/s", f"{result['des_shared_tokens_per_s']:.0f}")]
     rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in result["bytes_per_token"].items()]
+    rows.insert(len(rows) - len(result["bytes_per_token"]) + 1, ("PP compression", compression_text(result)))
     if "k_stale" in result:
         rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
                                                       f"{result['t_push_s']:.2f} s"),
@@ -51,7 +63,8 @@ def print_advice(advice: dict, device: str, as_json: bool) -> int:
     print("least compression that meets it:  " + " ".join(f"--set {k}={v}" for k, v in advice["settings"].items()))
     print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
           f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP {r['t_dp_s']:.3f}, "
-          f"{r['bytes_per_token_total']:.0f} B/token, DP compression {r['dp_compression_x']:.0f}x"
+          f"{r['bytes_per_token_total']:.0f} B/token, PP {compression_text(r)}, DP compression "
+          f"{r['dp_compression_x']:.0f}x"
           + (f", K_stale {r['k_stale']:.1f}" if "k_stale" in r else "")
           + (f", forward damage {advice['damage']:+.2%}" if "damage" in advice else ""))
     return 0
