@@ -12,7 +12,10 @@ from thinpipe.cli import main
 from thinpipe.config import ConfigError, apply_overrides, load_config
 from thinpipe.plan.advice import advise, candidates, load_probe
 from thinpipe.plan.planner import DEVICES, PRESETS, activation_fraction
-from thinpipe.probe import GRID, probe, select_grid
+import thinpipe.probe as probe_module
+from thinpipe.engine.setup import build_data, load, place, residual_batches, val_batches
+from thinpipe.engine.sim import SimMesh
+from thinpipe.probe import GRID, PROBE_MESH, _grads, cosine, measure_arm, probe, select_grid
 
 TINY = ["model.name=tiny-llama", "data.name=synthetic", "mesh.pp=3", "train.seq_len=32", "train.batch_size=2",
         "train.microbatches=1"]
@@ -60,6 +63,61 @@ def test_probe_cli_writes_json_and_plot_and_refuses_bad_input(tmp_path, capsys):
         assert main(["probe", *sets, *bad]) == 2
         err = capsys.readouterr().err
         assert says in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def _stored_gradient_arm(model, cfg, device, batches, train_ds):
+    """The probe before issue 26 (item 6): every batch's gradient of the arm stored, compared afterwards."""
+    mesh = SimMesh(model, cfg, device)
+    if any(b.wants_residual_init for b in mesh.boundaries):
+        mesh.residual_start(residual_batches(cfg, train_ds))
+    losses, grads = [], []
+    for i, batch in enumerate(batches):
+        mesh.step_index = i
+        losses.append(mesh.forward_backward([batch]))
+        grads.append(_grads(mesh))
+    return sum(losses) / len(losses), grads
+
+
+def test_streamed_cosines_equal_the_stored_gradient_way():
+    """Each arm's cosines, computed batch by batch against the dense gradients and then dropped, are
+    exactly (==) those of the arm's stored gradients; loss too. Learned kind (MAPL, own parameters)
+    included."""
+    base = load_config(None, TINY)
+    apply_overrides(base, PROBE_MESH)
+    device, loaded = place(base), load(base)
+    train_ds, val_ds = build_data(base, loaded.tokenizer)
+    batches = [b for _, b in zip(range(2), val_batches(val_ds, base.train.batch_size))]
+    dense = measure_arm(loaded.model, base, device, batches, train_ds)
+    assert [c for c, _ in dense["cosines"]] == pytest.approx([1.0, 1.0], abs=1e-12)
+    for arm in ("mask p=0.9", "quant4", "mapl r=32 pca"):
+        c = copy.deepcopy(base)
+        apply_overrides(c, dict(GRID)[arm])
+        c.validate()
+        new = measure_arm(loaded.model, c, device, batches, train_ds, dense_grads=dense["grads"])
+        loss, grads = _stored_gradient_arm(loaded.model, c, device, batches, train_ds)
+        old = [cosine(g, d) for g, d in zip(grads, dense["grads"])]
+        assert "grads" not in new and new["loss"] == loss and new["cosines"] == old, arm
+        assert all(cs < 0.999 for cs, _ in old), arm  # a compressed arm: the comparison is not of two 1s
+
+
+def test_each_arms_mesh_is_freed_before_the_next_is_built(monkeypatch):
+    """What grows with the number of arms: the meshes (each a copy of the model) must not outlive their arm."""
+    import weakref
+
+    made = []
+
+    class Tracked(SimMesh):
+        def __init__(self, *a, **k):
+            alive = [m for m in made if m() is not None]
+            assert not alive, f"{len(alive)} earlier arm mesh(es) still alive when arm {len(made)} starts"
+            super().__init__(*a, **k)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(probe_module, "SimMesh", Tracked)
+    cfg = load_config(None, TINY)
+    grid = [a for a in GRID if a[0] in ("dense", "mask p=0.9", "quant4", "mapl r=32 pca")]
+    probe(cfg, grid, num_batches=1, progress=False)
+    assert len(made) == 4
 
 
 def test_select_grid_keeps_dense():

@@ -21,6 +21,7 @@ result to keep its advice within a damage bound (``plan/advice.py``).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import math
 import sys
@@ -69,11 +70,16 @@ def select_grid(kinds: list[str] | None, grid: list[tuple[str, dict]] = GRID) ->
     return [(a, s) for a, s in grid if s["boundary.kind"] == "identity" or s["boundary.kind"] in kinds]
 
 
-def _grads(mesh: SimMesh) -> list[dict[str, torch.Tensor]]:
-    """Per stage of replica 0: parameter name -> gradient (fp32), then cleared."""
+def _grads(mesh: SimMesh, keep: bool = True) -> list[dict[str, torch.Tensor]]:
+    """Per stage of replica 0: parameter name -> gradient (fp32, flat), then cleared from the stages.
+
+    ``keep``: cloned, as the dense arm's gradients are, to outlive the mesh; otherwise views of the
+    gradients the stages just let go (no copy): the caller's reference is then the only one, and
+    dropping it frees the memory before the next backward allocates its own."""
     out = []
     for st in mesh.replicas[0]:
-        out.append({n: p.grad.detach().float().flatten().clone() for n, p in st.named_parameters() if p.grad is not None})
+        g = {n: p.grad.detach().float().flatten() for n, p in st.named_parameters() if p.grad is not None}
+        out.append({n: t.clone() for n, t in g.items()} if keep else g)
         st.zero_grad(set_to_none=True)
     return out
 
@@ -91,24 +97,38 @@ def cosine(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -
     return (dots / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")), per_stage
 
 
-def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_bar=None) -> dict:
-    """One arm on ``batches``: mean loss, per-batch gradients, metered bytes per token each way."""
+def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_bar=None,
+                dense_grads: list | None = None) -> dict:
+    """One arm on ``batches``: mean loss, metered bytes per token each way, and per batch the
+    gradient's cosine with ``dense_grads`` (the dense arm's per-batch gradients, ``_grads``).
+
+    Without ``dense_grads`` this is the dense arm: it returns its own per-batch gradients
+    (``grads``) and their cosines with themselves. With them, each batch's gradient is compared as
+    soon as the backward leaves it and then dropped, so an arm holds one gradient at a time
+    (docs/probe.md, Memory). The mesh (a copy of the model, ``build_stages``) is this function's
+    alone: it is freed when the function returns."""
     mesh = SimMesh(model, cfg, device)
     if any(b.wants_residual_init for b in mesh.boundaries):
         mesh.residual_start(residual_batches(cfg, train_ds))
     for st in mesh.replicas[0]:
         st.zero_grad(set_to_none=True)
     before = mesh.meter.snapshot()
-    losses, grads, tokens = [], [], 0
+    losses, grads, cosines, tokens = [], [], [], 0
     for i, batch in enumerate(batches):
         mesh.step_index = i  # a fresh mask (PRF of the step) per batch, as successive training steps see
         losses.append(mesh.forward_backward([batch]))
-        grads.append(_grads(mesh))
+        if dense_grads is None:
+            grads.append(_grads(mesh))
+            cosines.append(cosine(grads[-1], grads[-1]))
+        else:
+            g = _grads(mesh, keep=False)
+            cosines.append(cosine(g, dense_grads[i]))
+            del g  # the only reference to this batch's gradient: free it before the next backward
         tokens += batch["input_ids"].numel()
         if step_bar is not None:
             step_bar.update(1)
     after = mesh.meter.snapshot()
-    return {"loss": sum(losses) / len(losses), "grads": grads,
+    return {"loss": sum(losses) / len(losses), "cosines": cosines, **({"grads": grads} if dense_grads is None else {}),
             "fwd_bytes_per_token": (after["pp_fwd"] - before["pp_fwd"]) / tokens,
             "bwd_bytes_per_token": (after["pp_bwd"] - before["pp_bwd"]) / tokens, "tokens": tokens}
 
@@ -138,10 +158,11 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
         apply_overrides(c, settings, source=f"probe arm {arm!r}")
         c.validate()
         bar.set_postfix_str(arm)
-        m = measure_arm(loaded.model, c, device, batches, train_ds, bar)
+        m = measure_arm(loaded.model, c, device, batches, train_ds, bar, None if dense is None else dense["grads"])
+        gc.collect()  # should a kind ever hold its mesh (a model copy) in a cycle: free it before the next
         if dense is None:
             dense = m
-        per_batch = [cosine(g, d) for g, d in zip(m["grads"], dense["grads"])]
+        per_batch = m["cosines"]
         stages = len(per_batch[0][1])
         pp = m["fwd_bytes_per_token"] + m["bwd_bytes_per_token"]
         dense_pp = dense["fwd_bytes_per_token"] + dense["bwd_bytes_per_token"]
