@@ -113,7 +113,20 @@ def test_the_meter_counts_the_formula(sets, wire):
     assert (mesh.meter.totals["pp_fwd"], mesh.meter.totals["pp_bwd"]) == (fwd, bwd)
 
 
+def test_per_boundary_forward_bits_go_where_they_are_given():
+    cfg = config(model__name="tiny-llama", mesh__pp=4, boundary__kind="outlier", boundary__outlier_channels=4,
+                 boundary__quant_group=16, boundary__outlier_fwd_bits=[2, 4, 3], boundary__bwd_bits=1,
+                 train__batch_size=2, train__seq_len=16)
+    mesh = SimMesh(tiny_model("llama"), cfg)
+    assert [b.fwd_bits for b in mesh.boundaries] == [2, 4, 3]
+    mesh.forward_backward([tiny_batch(batch_size=2, seq_len=16)])
+    assert mesh.meter.totals["pp_fwd"] == sum(b.expected_bytes(32, 4)[0] for b in mesh.boundaries)
+    with pytest.raises(ConfigError, match="needs one entry per boundary: 3 with mesh.pp = 4"):
+        config(mesh__pp=4, boundary__kind="outlier", boundary__outlier_fwd_bits=[2, 4])
+
+
 @pytest.mark.parametrize("sets, message", [
+    ({"boundary__outlier_fwd_bits": [2, 9]}, "outlier_fwd_bits holds bits in 1..8"),
     ({"boundary__outlier_grid": "e8"}, "outlier_grid must be minmax or lloyd-max"),
     ({"boundary__outlier_bwd_tokens": 0.0}, "outlier_bwd_tokens must be in"),
     ({"boundary__compress": "up"}, "compress must be both, fwd or bwd"),
@@ -122,3 +135,22 @@ def test_the_meter_counts_the_formula(sets, wire):
 def test_bad_settings_are_one_line_errors(sets, message):
     with pytest.raises(ConfigError, match=message):
         config(**{"boundary__kind": "outlier", **sets})
+
+
+def _bit_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """The reference layout: code i's bit j at bit i * bits + j of the stream, bytes little-endian."""
+    stream = [(int(c) >> j) & 1 for c in codes for j in range(bits)]
+    stream += [0] * (-len(stream) % 8)
+    return torch.tensor([sum(b << k for k, b in enumerate(stream[i:i + 8])) for i in range(0, len(stream), 8)],
+                        dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("count", [1, 7, 64, 333])
+def test_packed_codes_follow_one_layout_at_every_width(bits, count):
+    from thinpipe.boundary.quant import pack_bits, unpack_bits
+
+    codes = torch.randint(0, 2 ** bits, (count,), generator=torch.Generator().manual_seed(count))
+    packed = pack_bits(codes, bits)
+    assert torch.equal(packed, _bit_planes(codes, bits))
+    assert torch.equal(unpack_bits(packed, bits, count), codes)

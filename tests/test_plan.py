@@ -332,7 +332,15 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
 
 @pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier",
                                   "outlier:boundary.outlier_scale_group=576:boundary.outlier_dtype=bfloat16",
-                                  "outlier:boundary.outlier_scale_group=-1"])
+                                  "outlier:boundary.outlier_scale_group=-1",
+                                  # issue 26's settings: Lloyd-Max grid, per-token backward scales, token-sparse
+                                  # backward, one direction dense
+                                  "outlier:boundary.outlier_grid=lloyd-max:boundary.outlier_scale_group=-1"
+                                  ":boundary.outlier_bwd_scale_group=-1:boundary.bwd_bits=1",
+                                  "outlier:boundary.outlier_grid=lloyd-max:boundary.outlier_bwd_tokens=0.5",
+                                  "outlier:boundary.outlier_bwd_tokens=0.25:boundary.outlier_bwd_scale_group=192",
+                                  "outlier:boundary.compress=fwd", "outlier:boundary.compress=bwd",
+                                  "outlier:boundary.outlier_fwd_bits=[3]:boundary.outlier_grid=lloyd-max"])
 def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
     and boundary, on SmolLM2 (H 576) at fp32."""

@@ -27,6 +27,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated arm names (default: every outlier arm)")
+    ap.add_argument("--boundaries", default="", help="compress only these boundaries, e.g. 0 (per-boundary damage)")
     ap.add_argument("--out", default="experiments/frontier/results/screen.json")
     args = ap.parse_args()
     cfg = Config()
@@ -35,7 +36,8 @@ def main() -> None:
     names = [a.strip() for a in args.only.split(",") if a.strip()] or [a for a, s in ARMS.items()
                                                                         if s.get("boundary.kind") == "outlier"]
     grid = [("dense", {"boundary.kind": "identity"})] + [(a, ARMS[a]) for a in names]
-    result = probe(cfg, grid, args.batches)
+    only = [int(b) for b in args.boundaries.split(",") if b.strip()] or None
+    result = probe(cfg, grid, args.batches, only)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(format_table(result))
 

@@ -43,7 +43,13 @@ def _tahquant(cfg, b, hidden, seed, wire_dtype, model, shared):
 
 def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
     intact = None if cfg.outlier_dtype == "wire" else torch.bfloat16
-    return OutlierBoundary(b, hidden, cfg.outlier_channels, *cfg.bits(), cfg.quant_group, wire_dtype,
+    fwd, bwd = cfg.bits()
+    if cfg.outlier_fwd_bits:
+        if len(cfg.outlier_fwd_bits) <= b:
+            raise ValueError(f"boundary.outlier_fwd_bits = {cfg.outlier_fwd_bits} names no bits for boundary {b}: "
+                             "give one entry per boundary (mesh.pp - 1)")
+        fwd = cfg.outlier_fwd_bits[b]
+    return OutlierBoundary(b, hidden, cfg.outlier_channels, fwd, bwd, cfg.quant_group, wire_dtype,
                            cfg.outlier_scale_group, intact, grid=cfg.outlier_grid,
                            bwd_scale_group=cfg.outlier_bwd_scale_group, bwd_tokens=cfg.outlier_bwd_tokens,
                            compress=cfg.compress)

@@ -30,6 +30,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Integers in [0, 2^bits) -> uint8, ``bits`` bits each, little-endian within a byte."""
     if not 1 <= bits <= 8:
         raise ValueError(f"bits must be in [1, 8], got {bits}")
+    if 8 % bits == 0:  # whole codes per byte: the same layout without one int32 per bit (~10x faster)
+        return _pack_whole(codes, bits)
     flat = codes.reshape(-1).to(torch.int32)
     planes = ((flat[:, None] >> torch.arange(bits, dtype=torch.int32, device=flat.device)) & 1).reshape(-1)
     pad = (-planes.numel()) % 8
@@ -40,9 +42,27 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: the first ``count`` codes, int64."""
+    if 8 % bits == 0:
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+        codes = (packed[:, None] >> shifts) & (2 ** bits - 1)
+        return codes.reshape(-1)[:count].to(torch.int64)
     planes = ((packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)
     planes = planes[:count * bits].reshape(count, bits)
     return (planes << torch.arange(bits, dtype=torch.int32, device=packed.device)).sum(1).to(torch.int64)
+
+
+def _pack_whole(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    per = 8 // bits  # codes per byte; code m of a byte sits at bits m*bits .. (m+1)*bits - 1
+    flat = codes.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % per
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=flat.device)
+    lanes = flat.reshape(-1, per) << shifts
+    out = lanes[:, 0].clone()
+    for m in range(1, per):  # the lanes' bits do not overlap: OR is their sum
+        out |= lanes[:, m]
+    return out
 
 
 def packed_bytes(count: int, bits: int) -> int:

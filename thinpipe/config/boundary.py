@@ -92,6 +92,10 @@ class BoundaryConfig:
     """``outlier``: the rotated values' grid, both ways: ``minmax`` (uniform between each group's min
     and max, bf16 offset + step: 4 B per group) or ``lloyd-max`` (the Lloyd-Max levels of a unit
     Gaussian scaled by the group's RMS, one bf16 scale: 2 B per group; boundary/lloyd_max.py)."""
+    outlier_fwd_bits: list[int] = field(default_factory=list)
+    """``outlier``: forward bits of each boundary in order (one entry per boundary, 1..8), overriding
+    ``fwd_bits``: the boundaries are not equally sensitive (``thinpipe probe --boundaries``), so the
+    bits go where the damage is. Empty: ``fwd_bits`` everywhere."""
     outlier_bwd_scale_group: int = 0
     """``outlier``: hidden dims that share one scale in the backward (0 = the tile, ``quant_group``;
     -1 or the hidden size = one per token); the same rules as ``outlier_scale_group``."""
@@ -166,6 +170,8 @@ class BoundaryConfig:
         if self.outlier_grid not in ("minmax", "lloyd-max") or self.outlier_bwd_scale_group < -1:
             raise ConfigError("boundary.outlier_grid must be minmax or lloyd-max and boundary.outlier_bwd_scale_group "
                               f">= -1, got {self.outlier_grid!r} and {self.outlier_bwd_scale_group}")
+        if any(not 1 <= b <= 8 for b in self.outlier_fwd_bits):
+            raise ConfigError(f"boundary.outlier_fwd_bits holds bits in 1..8, one per boundary, got {self.outlier_fwd_bits}")
         if not 0 < self.outlier_bwd_tokens <= 1:
             raise ConfigError(f"boundary.outlier_bwd_tokens must be in (0, 1], got {self.outlier_bwd_tokens}")
         if self.compress not in ("both", "fwd", "bwd"):

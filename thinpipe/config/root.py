@@ -90,6 +90,9 @@ class Config:
             raise ConfigError(
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
                 f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
+        if self.boundary.outlier_fwd_bits and len(self.boundary.outlier_fwd_bits) != self.mesh.pp - 1:
+            raise ConfigError(f"boundary.outlier_fwd_bits = {self.boundary.outlier_fwd_bits} needs one entry per boundary: "
+                              f"{self.mesh.pp - 1} with mesh.pp = {self.mesh.pp}")
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
                               "(the job's replicas): lower it or raise mesh.dp")

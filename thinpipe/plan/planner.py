@@ -131,14 +131,25 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
             fwd_bits = fwd + side
         return (fwd_bits + bwd + side) / (2 * 8 * elem_bytes)
     if b.kind == "outlier":
-        # C intact channels (wire dtype or bf16); every value at fwd / bwd bits after rotation; the forward's
-        # scales per outlier_scale_group dims, the backward's per tile
+        # per value, forward: fwd bits after rotation + the scales (min/max: offset + step, 32 bits; Lloyd-Max:
+        # one bf16 RMS, 16 bits) per outlier_scale_group dims + C intact channels (wire dtype or bf16);
+        # backward: the kept share of tokens at bwd bits + their scales per outlier_bwd_scale_group dims, and a
+        # 1-bit token map when tokens are dropped; a direction left dense (boundary.compress) is the wire's
         fwd, bwd = b.bits()
-        side = 32 / (b.quant_group or arch.hidden)
-        scale = arch.hidden if b.outlier_scale_group == -1 else b.outlier_scale_group
-        fwd_side = 32 / scale if scale else side
+        if b.outlier_fwd_bits:  # per-boundary bits: their mean over the boundaries
+            fwd = sum(b.outlier_fwd_bits) / len(b.outlier_fwd_bits)
+        tile = b.quant_group or arch.hidden
+        scale_bits = 16 if b.outlier_grid == "lloyd-max" else 32
+        per = {0: tile, -1: arch.hidden}
         intact = 2 if b.outlier_dtype == "bfloat16" else elem_bytes
-        return (b.outlier_channels * 8 * intact / arch.hidden + fwd + bwd + fwd_side + side) / (2 * 8 * elem_bytes)
+        fwd_bits = fwd + scale_bits / per.get(b.outlier_scale_group, b.outlier_scale_group) \
+            + b.outlier_channels * 8 * intact / arch.hidden
+        bwd_bits = b.outlier_bwd_tokens * (bwd + scale_bits / per.get(b.outlier_bwd_scale_group,
+                                                                       b.outlier_bwd_scale_group))
+        bwd_bits += 1 / arch.hidden if b.outlier_bwd_tokens < 1 else 0
+        dense = 8 * elem_bytes
+        fwd_bits, bwd_bits = (dense if b.compress == "bwd" else fwd_bits), (dense if b.compress == "fwd" else bwd_bits)
+        return (fwd_bits + bwd_bits) / (2 * dense)
     raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier and the quantisers, "
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
