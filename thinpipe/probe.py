@@ -34,6 +34,9 @@ from thinpipe.config import Config, ConfigError, apply_overrides
 from thinpipe.engine.setup import build_data, load, place, residual_batches, val_batches
 from thinpipe.engine.sim import SimMesh
 
+# The outlier kind on the Lloyd-Max grid, one scale per token each way and bf16 intact channels (issue 26).
+LM = {"boundary.kind": "outlier", "boundary.outlier_grid": "lloyd-max", "boundary.outlier_scale_group": -1,
+      "boundary.outlier_bwd_scale_group": -1, "boundary.outlier_dtype": "bfloat16"}
 # (arm, settings): the default grid, two or more ratios per kind where the kind has a ratio.
 GRID: list[tuple[str, dict]] = [
     ("dense", {"boundary.kind": "identity"}),
@@ -51,6 +54,10 @@ GRID: list[tuple[str, dict]] = [
     ("outlier 2b/2b", {"boundary.kind": "outlier"}),
     ("outlier 2b/1b", {"boundary.kind": "outlier", "boundary.bwd_bits": 1}),
     ("outlier 1b/1b", {"boundary.kind": "outlier", "boundary.fwd_bits": 1, "boundary.bwd_bits": 1}),
+    # issue 26: the Lloyd-Max grid with one scale per token each way, a token-sparse backward
+    ("outlier LM 4b/1b", {**LM, "boundary.fwd_bits": 4, "boundary.bwd_bits": 1}),
+    ("outlier LM 3b/1b", {**LM, "boundary.fwd_bits": 3, "boundary.bwd_bits": 1}),
+    ("outlier LM 2b/1b T50", {**LM, "boundary.fwd_bits": 2, "boundary.bwd_bits": 1, "boundary.outlier_bwd_tokens": 0.5}),
     ("mapl r=64 pca", {"boundary.kind": "mapl", "boundary.rank": 64, "boundary.init": "pca"}),
     ("mapl r=32 pca", {"boundary.kind": "mapl", "boundary.rank": 32, "boundary.init": "pca"}),
     ("ssn r=64", {"boundary.kind": "ssn", "boundary.rank": 64}),

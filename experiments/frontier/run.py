@@ -71,6 +71,9 @@ ARMS = {
     "LM 2b-1b tok C32 T25": lm(2, 1, channels=32, outlier_bwd_tokens=0.25),
     "LM 1b-1b tok C8 T25": lm(1, 1, channels=8, outlier_bwd_tokens=0.25),
     "LM 1b-1b tok T25": lm(1, 1, outlier_bwd_tokens=0.25),
+    # the middle boundary is the sensitive one (probe --boundaries: 2-bit +10.2% there, +2.4% / +5.7% at the ends)
+    "LM 2-3-2b-1b tok T25": lm(2, 1, outlier_fwd_bits=[2, 3, 2], outlier_bwd_tokens=0.25),
+    "LM 2-3-2b-1b tok C8 T50": lm(2, 1, channels=8, outlier_fwd_bits=[2, 3, 2], outlier_bwd_tokens=0.5),
 }
 
 
