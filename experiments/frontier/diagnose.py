@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from anchor_priors.run import BASE  # noqa: E402  (the frontier recipe)
 
 TILE, CHANNELS = 64, 16
+SEQ = BASE["train.seq_len"]
 
 
 def capture(batches: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -106,7 +107,14 @@ def activation_stats(x: torch.Tensor, calib: torch.Tensor) -> dict:
     rot = rotate(rest)
     z = rot / rot.pow(2).mean(1, keepdim=True).sqrt()
     energy = float(x.pow(2).sum())
-    row = {"outlier_energy_share": float(x[:, ch].pow(2).sum()) / energy, "rotated_excess_kurtosis": kurtosis(z),
+    seqs = rest.reshape(-1, SEQ, rest.shape[-1])
+    prev = seqs[:, :-1].reshape(-1, rest.shape[-1]), seqs[:, 1:].reshape(-1, rest.shape[-1])
+    shared = {  # how much of the rest a receiver-side prior could take away before coding
+        "rest_energy_in_sequence_mean": float(seqs.mean(1, keepdim=True).expand_as(seqs).pow(2).sum()
+                                              / seqs.pow(2).sum()),
+        "rest_energy_in_corpus_mean": float(rest.mean(0).pow(2).sum() * rest.shape[0] / rest.pow(2).sum()),
+        "rest_cosine_with_previous_token": float(torch.nn.functional.cosine_similarity(*prev, dim=1).mean())}
+    row = {**shared, "outlier_energy_share": float(x[:, ch].pow(2).sum()) / energy, "rotated_excess_kurtosis": kurtosis(z),
            "rotated_tail_beyond_3": float((z.abs() > 3).float().mean()), "gaussian_tail_beyond_3": 0.0027,
            "token_rms_cv": float(rest.pow(2).mean(1).sqrt().std() / rest.pow(2).mean(1).sqrt().mean()), "grids": {}}
     for bits in (1, 2, 3, 4):
@@ -153,7 +161,10 @@ def main() -> None:
     for r in result["boundaries"]:
         a, g = r["activation"], r["gradient"]
         print(f"boundary {r['boundary']}: outlier energy {a['outlier_energy_share']:.1%}, rotated kurtosis "
-              f"{a['rotated_excess_kurtosis']:+.2f}, |z|>3 {a['rotated_tail_beyond_3']:.2%} (Gaussian 0.27%)")
+              f"{a['rotated_excess_kurtosis']:+.2f}, |z|>3 {a['rotated_tail_beyond_3']:.2%} (Gaussian 0.27%); rest's "
+              f"energy in its sequence mean {a['rest_energy_in_sequence_mean']:.1%}, corpus mean "
+              f"{a['rest_energy_in_corpus_mean']:.1%}, cosine with the previous token "
+              f"{a['rest_cosine_with_previous_token']:.2f}")
         for k, v in a["grids"].items():
             print(f"   fwd {k:<20} rel MSE {v['rel_mse']:.5f} (rest {v['rel_mse_rest']:.4f})  H {v['code_entropy_bits']:.2f} b")
         print(f"   grad: top 10/25/50% tokens hold {g['top_10pct_tokens_energy']:.1%} / {g['top_25pct_tokens_energy']:.1%}"

@@ -55,7 +55,8 @@ def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
         return fp32_bytes - b["rank"] * 2 * 2 * BOUNDARIES
     c = Config()
     skip = ("dtype", "anchor")  # the wire is what this computes; "anchor" is an old name of MAPL's offset
-    apply_overrides(c, {f"boundary.{k}": v for k, v in b.items() if k not in skip}, source="report")
+    apply_overrides(c, {"mesh.pp": BOUNDARIES + 1, **{f"boundary.{k}": v for k, v in b.items() if k not in skip}},
+                    source="report")
     fwd = bwd = 0
     for boundary in build_boundaries(c.validate().boundary, BOUNDARIES + 1, HIDDEN, 0, torch.bfloat16):
         f, g = boundary.expected_bytes(MICROBATCH_TOKENS, 2)
@@ -129,9 +130,11 @@ def settings(rows: list[dict]) -> list[dict]:
         if r["split"] != "fixed" or r["gap"] is None:
             continue
         e = out.setdefault((r["arm"], r["steps"]), {"arm": r["arm"], "kind": r["kind"], "steps": r["steps"],
-                                                     "source": r["source"], "gaps": {}, "pp_bytes_per_token": 0.0,
+                                                     "source": r["source"], "gaps": {}, "losses": {},
+                                                     "pp_bytes_per_token": 0.0,
                                                      "pp_bytes_per_token_bf16": 0.0})
         e["gaps"][r["seed"]] = r["gap"]
+        e["losses"][r["seed"]] = r["final_val_loss"]
         e["pp_bytes_per_token"] = max(e["pp_bytes_per_token"], r["pp_bytes_per_token"])
         e["pp_bytes_per_token_bf16"] = max(e["pp_bytes_per_token_bf16"], r["pp_bytes_per_token_bf16"])
     for e in out.values():
@@ -148,7 +151,10 @@ def settings(rows: list[dict]) -> list[dict]:
 
 
 def seed_cell(e: dict, s: int) -> str:
-    return f"{e['gaps'][s]:+.2%}" if s in e["gaps"] else "-"
+    """A seed's gap; Dense's own final held-out loss on its row."""
+    if s not in e["gaps"]:
+        return "-"
+    return f"{e['losses'][s]:.4f}" if e["kind"] == "identity" else f"{e['gaps'][s]:+.2%}"
 
 
 def table(entries: list[dict]) -> list[str]:
@@ -160,7 +166,8 @@ def table(entries: list[dict]) -> list[str]:
                    else f"({len(e['seeds'])} seed{'s' if len(e['seeds']) > 1 else ''})")
         lines.append(f"| {e['arm']} | {e['kind']} | {e['steps']} | {e['pp_bytes_per_token_bf16']:,.0f} | "
                      f"{e['x_bf16']:.1f}x | {e['pp_bytes_per_token']:,.0f} | {e['x_fp32']:.1f}x | "
-                     + " | ".join(seed_cell(e, s) for s in SEEDS) + f" | {e['mean_gap']:+.2%} | {verdict} |")
+                     + " | ".join(seed_cell(e, s) for s in SEEDS)
+                     + f" | {'-' if e['kind'] == 'identity' else format(e['mean_gap'], '+.2%')} | {verdict} |")
     return lines
 
 

@@ -74,6 +74,8 @@ ARMS = {
     # the middle boundary is the sensitive one (probe --boundaries: 2-bit +10.2% there, +2.4% / +5.7% at the ends)
     "LM 2-3-2b-1b tok T25": lm(2, 1, outlier_fwd_bits=[2, 3, 2], outlier_bwd_tokens=0.25),
     "LM 2-3-2b-1b tok C8 T50": lm(2, 1, channels=8, outlier_fwd_bits=[2, 3, 2], outlier_bwd_tokens=0.5),
+    # between LM 3b (probe +5.0%) and LM 4b (+1.4%, trained +0.77%): the sensitive middle boundary at 4 bits
+    "LM 3-4-3b-1b tok": lm(3, 1, outlier_fwd_bits=[3, 4, 3]),
 }
 
 
