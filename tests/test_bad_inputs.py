@@ -481,6 +481,19 @@ CASES = [
          "train.device must be auto"),
     Case("eval-device", "eval --device cuda:x", ["eval", "--tasks", "piqa", "--device", "cuda:x"],
          "'cuda:x' is not a device"),
+    # issue 26's boundary settings
+    Case("outlier-grid", "boundary.outlier_grid = e8", [*TRAIN, "--set", "boundary.kind=outlier",
+                                                        "--set", "boundary.outlier_grid=e8"],
+         "boundary.outlier_grid must be minmax or lloyd-max"),
+    Case("outlier-fwd-bits", "boundary.outlier_fwd_bits with the wrong number of boundaries",
+         [*TRAIN, "--set", "mesh.pp=2", "--set", "boundary.kind=outlier", "--set", "boundary.outlier_fwd_bits=[2,4]"],
+         "needs one entry per boundary: 1 with mesh.pp = 2"),
+    Case("outlier-bwd-tokens", "boundary.outlier_bwd_tokens = 0", [*TRAIN, "--set", "boundary.kind=outlier",
+                                                                 "--set", "boundary.outlier_bwd_tokens=0"],
+         "boundary.outlier_bwd_tokens must be in (0, 1]"),
+    Case("compress-mask", "boundary.compress = fwd on a mask boundary", [*TRAIN, "--set", "boundary.kind=mask",
+                                                                       "--set", "boundary.compress=fwd"],
+         "boundary.compress = fwd is an outlier setting"),
 ]
 
 
