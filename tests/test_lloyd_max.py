@@ -12,6 +12,7 @@ import torch
 from thinpipe.boundary import OutlierBoundary, Payload
 from thinpipe.boundary.lloyd_max import dequantize_rms, gaussian_levels, quantize_rms
 from thinpipe.boundary.quant import dequantize, quantize
+from thinpipe.comm.header import PayloadError, spec_of
 from thinpipe.config import ConfigError
 from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
@@ -27,7 +28,7 @@ MAX_1960 = {1: ([0.7980], 0.3634), 2: ([0.4528, 1.510], 0.1175), 3: ([0.2451, 0.
 def test_levels_are_max_1960s_and_reach_its_distortion(bits):
     levels = gaussian_levels(bits)
     positive, mse = MAX_1960[bits]
-    assert [round(v, 3) for v in levels[len(levels) // 2:]] == pytest.approx([round(v, 3) for v in positive], abs=1.5e-3)
+    assert levels[len(levels) // 2:] == pytest.approx(positive, abs=1.5e-3)
     assert all(a == pytest.approx(-b) for a, b in zip(levels, reversed(levels)))  # symmetric
     x = torch.randn(4000, H, generator=torch.Generator().manual_seed(bits))
     codes, scale = quantize_rms(x, bits, H)
@@ -67,8 +68,29 @@ def test_token_sparse_backward_sends_the_largest_tokens_exactly_once():
     assert torch.equal(g_hat[kept], full.decode_grad(full.encode_grad(g, ctx), ctx).reshape(16, H)[kept])
     assert payload.nbytes == sparse.expected_bytes(16, 4)[1] == 4 * (H // 8 + 2) + 2  # codes + scale, 16-bit map
     forged = dict(payload.tensors, tokens=torch.full_like(payload.tensors["tokens"], 255))
-    with pytest.raises(ValueError, match="bitmap names 16 tokens, not 4"):
+    with pytest.raises(PayloadError, match="bitmap names 16 tokens, not 4"):
         sparse.decode_grad(Payload(forged), ctx)
+
+
+@pytest.mark.parametrize("kw", [{}, {"grid": "lloyd-max", "scale_group": -1, "bwd_scale_group": -1},
+                                {"grid": "lloyd-max", "bwd_tokens": 0.3, "intact_dtype": torch.bfloat16},
+                                {"bwd_tokens": 0.5, "bwd_scale_group": 32}, {"compress": "fwd"}, {"compress": "bwd"}])
+@pytest.mark.parametrize("wire", [None, torch.bfloat16])
+def test_the_receiver_expects_exactly_what_the_sender_sends(kw, wire):
+    """payload_expect is the payload's exact spec both ways (a dense direction: its byte bound), and a
+    peer's payload with a tensor of the wrong length (one scale for every group) is refused."""
+    b = OutlierBoundary(0, H, 4, 2, 1, 16, wire, kw.pop("scale_group", 0), kw.pop("intact_dtype", None), **kw)
+    ctx = ctx_of(2, 8)
+    fwd, bwd = b.encode(torch.randn(2, 8, H), ctx)[1], b.encode_grad(torch.randn(2, 8, H), ctx)
+    for direction, payload in (("fwd", fwd), ("bwd", bwd)):
+        expect = b.payload_expect(direction, 16)
+        expect.check(spec_of(payload), "test")
+        assert expect.max_bytes == payload.nbytes == b.expected_bytes(16, 4 if wire is None else 2)[direction == "bwd"]
+        name = next((n for n in ("scale", "offset") if n in payload.tensors), None)
+        if name is not None:
+            forged = Payload({**payload.tensors, name: payload.tensors[name][:1]})
+            with pytest.raises(PayloadError, match="refused before allocating"):
+                expect.check(spec_of(forged), "test")
 
 
 def test_one_direction_compressed_leaves_the_other_bitwise_dense():
@@ -83,7 +105,8 @@ def test_one_direction_compressed_leaves_the_other_bitwise_dense():
 
 @pytest.mark.parametrize("sets", [
     {"outlier_grid": "lloyd-max"},
-    {"outlier_grid": "lloyd-max", "outlier_scale_group": -1, "outlier_bwd_scale_group": -1, "outlier_dtype": "bfloat16"},
+    {"outlier_grid": "lloyd-max", "outlier_scale_group": -1, "outlier_bwd_scale_group": -1,
+     "outlier_dtype": "bfloat16"},
     {"outlier_grid": "lloyd-max", "outlier_bwd_scale_group": 32, "outlier_bwd_tokens": 0.5},
     {"outlier_bwd_tokens": 0.3},
     {"compress": "fwd"}, {"compress": "bwd", "outlier_grid": "lloyd-max"},
@@ -111,6 +134,8 @@ def test_the_meter_counts_the_formula(sets, wire):
     if sets.get("compress") == "fwd":
         bwd = tokens * H * size
     assert (mesh.meter.totals["pp_fwd"], mesh.meter.totals["pp_bwd"]) == (fwd, bwd)
+    per_microbatch = [b.expected_bytes(n, size) for n in per_mb]
+    assert (sum(f for f, _ in per_microbatch), sum(g for _, g in per_microbatch)) == (fwd, bwd)
 
 
 def test_per_boundary_forward_bits_go_where_they_are_given():

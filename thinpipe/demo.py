@@ -79,8 +79,8 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
 def keeps_quality(results: dict, seed: int) -> str:
     """The line naming the arms whose final held-out loss is within KEEPS_QUALITY of Dense's, and the one
     seed (``train.seed``) it rests on: on the demo's own recipe issue 17's min/max Outlier 4b-1b vs Dense
-    is -0.0% / +1.24% / +0.34% on seeds 0 / 1 / 2 (issue 26), so one seed can say "within" where another
-    says "not"."""
+    is -0.0% / +1.24% / +0.34% on seeds 0 / 1 / 2 (measured by issue 26's author), so one seed can say
+    "within" where another says "not"."""
     dense = results["Dense"]
     kept = [n for n, s in results.items() if n != "Dense"
             and s["final_val_loss"] <= dense["final_val_loss"] * (1 + KEEPS_QUALITY)]

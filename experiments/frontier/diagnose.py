@@ -114,7 +114,8 @@ def activation_stats(x: torch.Tensor, calib: torch.Tensor) -> dict:
                                               / seqs.pow(2).sum()),
         "rest_energy_in_corpus_mean": float(rest.mean(0).pow(2).sum() * rest.shape[0] / rest.pow(2).sum()),
         "rest_cosine_with_previous_token": float(torch.nn.functional.cosine_similarity(*prev, dim=1).mean())}
-    row = {**shared, "outlier_energy_share": float(x[:, ch].pow(2).sum()) / energy, "rotated_excess_kurtosis": kurtosis(z),
+    row = {**shared, "outlier_energy_share": float(x[:, ch].pow(2).sum()) / energy,
+           "rotated_excess_kurtosis": kurtosis(z),
            "rotated_tail_beyond_3": float((z.abs() > 3).float().mean()), "gaussian_tail_beyond_3": 0.0027,
            "token_rms_cv": float(rest.pow(2).mean(1).sqrt().std() / rest.pow(2).mean(1).sqrt().mean()), "grids": {}}
     for bits in (1, 2, 3, 4):
@@ -166,9 +167,12 @@ def main() -> None:
               f"{a['rest_energy_in_corpus_mean']:.1%}, cosine with the previous token "
               f"{a['rest_cosine_with_previous_token']:.2f}")
         for k, v in a["grids"].items():
-            print(f"   fwd {k:<20} rel MSE {v['rel_mse']:.5f} (rest {v['rel_mse_rest']:.4f})  H {v['code_entropy_bits']:.2f} b")
-        print(f"   grad: top 10/25/50% tokens hold {g['top_10pct_tokens_energy']:.1%} / {g['top_25pct_tokens_energy']:.1%}"
-              f" / {g['top_50pct_tokens_energy']:.1%} of the energy; rotated kurtosis {g['rotated_excess_kurtosis']:+.2f}")
+            print(f"   fwd {k:<20} rel MSE {v['rel_mse']:.5f} (rest {v['rel_mse_rest']:.4f})  "
+                  f"H {v['code_entropy_bits']:.2f} b")
+        print(f"   grad: top 10/25/50% tokens hold {g['top_10pct_tokens_energy']:.1%} / "
+              f"{g['top_25pct_tokens_energy']:.1%}"
+              f" / {g['top_50pct_tokens_energy']:.1%} of the energy; rotated kurtosis "
+              f"{g['rotated_excess_kurtosis']:+.2f}")
         for k, v in g["grids"].items():
             print(f"   bwd {k:<20} rel MSE {v['rel_mse']:.4f} cos {v['cosine']:.4f} norm x{v['norm_ratio']:.2f} "
                   f"H {v['code_entropy_bits']:.2f} b")

@@ -43,8 +43,10 @@ OLD_ARMS = {"Dense", "M90", "M95", "TopK95", "M90pAP", "M95pAP", "M95_norescale"
             "MAPL_r28_pca", "MAPL_r28_random"}
 HIDDEN, BOUNDARIES, MICROBATCH_TOKENS = 576, 3, 256  # SmolLM2-135M, 4 stages, 2 x 128 tokens per microbatch
 DENSE_BF16 = HIDDEN * 2 * 2 * BOUNDARIES          # 6,912 B/token
-GOAL_B, MILESTONE_B = DENSE_BF16 / 20, DENSE_BF16 / 10  # 345.6 and 691.2 B/token (bf16 accounting)
+GOAL_B, MILESTONE_B = 345, 691  # issue 26: 1/20 and 1/10 of the bf16 Dense wire (345.6, 691.2), rounded down
 WITHIN, WORST_SEED, SEEDS = 0.01, 0.015, (0, 1, 2)
+SETTING_KEYS = ("p", "fwd_bits", "bwd_bits", "outlier_channels", "outlier_grid", "outlier_bwd_tokens",
+                "outlier_fwd_bits", "compress", "rank")
 
 
 def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
@@ -82,11 +84,11 @@ def arm_row(folder: Path, source: str) -> dict | None:
     best_step, best = min(vals, key=lambda v: v[1])
     pp = s["bytes_per_token"]["pp_fwd"] + s["bytes_per_token"]["pp_bwd"]
     committed = " (committed)" if source.endswith("(committed)") else ""
-    return {"arm": arm_name(folder, cfg) + committed, "folder": str(folder.relative_to(HERE.parent.parent)), "source": source,
+    return {"arm": arm_name(folder, cfg) + committed, "folder": str(folder.relative_to(HERE.parent.parent)),
+            "source": source,
             "kind": b["kind"], "seed": cfg["train"]["seed"], "steps": s["steps"],
             "split": "old" if "old split" in source else "fixed",
-            "settings": {k: v for k, v in b.items() if k in ("p", "fwd_bits", "bwd_bits", "outlier_channels",
-                                                              "outlier_grid", "outlier_bwd_tokens", "compress", "rank")},
+            "settings": {k: v for k, v in b.items() if k in SETTING_KEYS},
             "anchor": cfg["mesh"].get("anchor", 0),
             "pp_fwd_bytes_per_token": s["bytes_per_token"]["pp_fwd"],
             "pp_bwd_bytes_per_token": s["bytes_per_token"]["pp_bwd"], "pp_bytes_per_token": pp,

@@ -48,8 +48,10 @@ import torch
 
 from thinpipe.boundary.base import Boundary, Payload
 from thinpipe.boundary.lloyd_max import RMS_SCALE_BYTES, dequantize_rms, quantize_rms
-from thinpipe.boundary.quant import SCALE_BYTES, QuantBoundary, dequantize, pack_bits, packed_bytes, quantize, \
-    unpack_bits
+from thinpipe.boundary.lloyd_max import SCALE_DTYPE as RMS_SCALE_DTYPE
+from thinpipe.boundary.quant import SCALE_BYTES, SCALE_DTYPE, QuantBoundary, dequantize, pack_bits, packed_bytes, \
+    quantize, unpack_bits
+from thinpipe.comm.header import Expect, PayloadError
 from thinpipe.boundary.tahquant import hadamard
 
 GRIDS = ("minmax", "lloyd-max")
@@ -135,7 +137,8 @@ class OutlierBoundary(QuantBoundary):
         intact = rest[..., self.channels]
         rest[..., self.channels] = 0.0
         intact = intact.to(self.intact_dtype) if self.intact_dtype is not None else self._to_wire(intact)
-        return x, Payload({"intact": intact, **self._pack(rest, self.fwd_bits, self.scale_group)})
+        return x, Payload({"intact": intact.reshape(-1, self.channels.numel()),  # (tokens, C): the receiver's spec
+                           **self._pack(rest, self.fwd_bits, self.scale_group)})
 
     def decode(self, payload, ctx):
         if self.compress == "bwd":
@@ -143,7 +146,7 @@ class OutlierBoundary(QuantBoundary):
         p = payload.tensors
         shape = (*ctx.input_ids.shape, self.hidden_size)  # both ends know the microbatch's shape
         x = self._unpack(p, self.fwd_bits, self.scale_group, math.prod(shape[:-1])).reshape(shape)
-        x[..., self.channels] = p["intact"].float()
+        x[..., self.channels] = p["intact"].float().reshape(*shape[:-1], -1)
         return x
 
     def encode_grad(self, g, ctx):
@@ -167,10 +170,33 @@ class OutlierBoundary(QuantBoundary):
         keep = unpack_bits(p["tokens"], 1, n).bool()
         k = self._kept(n)
         if int(keep.sum()) != k:  # a peer's bitmap must name exactly the K tokens whose codes follow
-            raise ValueError(f"boundary {self.index}: the gradient's token bitmap names {int(keep.sum())} tokens, not {k}")
+            raise PayloadError(f"boundary {self.index}: the gradient's token bitmap names {int(keep.sum())} tokens, "
+                               f"not {k}")
         g = torch.zeros(n, self.hidden_size, device=p["codes"].device)
         g[keep] = self._unpack(p, self.bwd_bits, self.bwd_scale_group, k)
         return g.reshape(shape)
+
+    def _codes_spec(self, values: int, bits: int, scale: int) -> dict:
+        groups = values // scale
+        side = {"scale": ((groups,), RMS_SCALE_DTYPE)} if self.grid == "lloyd-max" else \
+            {"offset": ((groups,), SCALE_DTYPE), "step": ((groups,), SCALE_DTYPE)}
+        return {"codes": ((packed_bytes(values, bits),), torch.uint8), **side}
+
+    def payload_expect(self, direction, tokens):
+        """Exactly the tensors this boundary's encoder sends for ``tokens`` tokens (a dense direction:
+        the base's bound), so a peer's malformed payload is refused before anything is allocated."""
+        if (direction == "fwd" and self.compress == "bwd") or (direction == "bwd" and self.compress == "fwd"):
+            return super().payload_expect(direction, tokens)
+        n = tokens * self.hidden_size
+        if direction == "fwd":
+            intact = self.intact_dtype or self.wire_dtype or torch.float32
+            return Expect.exactly({"intact": ((tokens, self.channels.numel()), intact),
+                                   **self._codes_spec(n, self.fwd_bits, self.scale_group)})
+        k = self._kept(tokens)
+        spec = self._codes_spec(k * self.hidden_size, self.bwd_bits, self.bwd_scale_group)
+        if self.bwd_tokens < 1:
+            spec = {"tokens": ((packed_bytes(tokens, 1),), torch.uint8), **spec}
+        return Expect.exactly(spec)
 
     def expected_bytes(self, tokens, element_size):
         n, dense = tokens * self.hidden_size, tokens * self.hidden_size * element_size

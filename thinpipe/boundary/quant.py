@@ -42,6 +42,8 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """Inverse of ``pack_bits``: the first ``count`` codes, int64."""
+    if not 1 <= bits <= 8:
+        raise ValueError(f"bits must be in [1, 8], got {bits}")
     if 8 % bits == 0:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed[:, None] >> shifts) & (2 ** bits - 1)

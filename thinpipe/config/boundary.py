@@ -171,13 +171,15 @@ class BoundaryConfig:
             raise ConfigError("boundary.outlier_grid must be minmax or lloyd-max and boundary.outlier_bwd_scale_group "
                               f">= -1, got {self.outlier_grid!r} and {self.outlier_bwd_scale_group}")
         if any(not 1 <= b <= 8 for b in self.outlier_fwd_bits):
-            raise ConfigError(f"boundary.outlier_fwd_bits holds bits in 1..8, one per boundary, got {self.outlier_fwd_bits}")
+            raise ConfigError(f"boundary.outlier_fwd_bits holds bits in 1..8, one per boundary, got "
+                              f"{self.outlier_fwd_bits}")
         if not 0 < self.outlier_bwd_tokens <= 1:
             raise ConfigError(f"boundary.outlier_bwd_tokens must be in (0, 1], got {self.outlier_bwd_tokens}")
         if self.compress not in ("both", "fwd", "bwd"):
             raise ConfigError(f"boundary.compress must be both, fwd or bwd, got {self.compress!r}")
         if self.compress != "both" and self.kind != "outlier":
-            raise ConfigError(f"boundary.compress = {self.compress} is an outlier setting; boundary.kind is {self.kind}")
+            raise ConfigError(f"boundary.compress = {self.compress} is an outlier setting; boundary.kind is "
+                              f"{self.kind}")
         if self.kind == "outlier" and self.quant_group & (self.quant_group - 1):
             raise ConfigError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "
                               f"{self.quant_group}")
