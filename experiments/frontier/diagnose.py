@@ -30,7 +30,7 @@ import torch
 
 from thinpipe.boundary.lloyd_max import dequantize_rms, quantize_rms
 from thinpipe.boundary.quant import dequantize, quantize
-from thinpipe.boundary.tahquant import hadamard
+from thinpipe.boundary.tahquant import code_entropy, hadamard
 from thinpipe.config import Config, apply_overrides
 from thinpipe.engine.setup import build_data, load, place, residual_batches, val_batches
 from thinpipe.engine.sim import SimMesh
@@ -71,10 +71,9 @@ def capture(batches: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[
     return [torch.cat(x) for x in xs], [torch.cat(g) for g in gs], calib
 
 
-def entropy_bits(codes: torch.Tensor) -> float:
-    p = torch.bincount(codes.reshape(-1)).double()
-    p = p[p > 0] / p.sum()
-    return float(-(p * p.log2()).sum())
+def entropy_bits(codes: torch.Tensor, bits: int) -> float:
+    """The empirical entropy of all the codes together (TAH-Quant's per-tile measure over one row)."""
+    return float(code_entropy(codes.reshape(1, -1), bits))
 
 
 def kurtosis(z: torch.Tensor) -> float:
@@ -122,7 +121,7 @@ def activation_stats(x: torch.Tensor, calib: torch.Tensor) -> dict:
         for name, (rec, codes) in grids(rot, bits).items():
             err = float((rotate(rec) - rest).pow(2).sum())  # the intact channels add no error
             row["grids"][f"{name} {bits}b"] = {"rel_mse": err / energy, "rel_mse_rest": err / float(rest.pow(2).sum()),
-                                              "code_entropy_bits": entropy_bits(codes)}
+                                              "code_entropy_bits": entropy_bits(codes, bits)}
     return row
 
 
@@ -141,7 +140,7 @@ def gradient_stats(g: torch.Tensor, tokens_per_microbatch: int) -> dict:
             row["grids"][f"{name} {bits}b"] = {
                 "rel_mse": float((back - g).pow(2).sum()) / energy,
                 "cosine": float((back * g).sum() / (back.norm() * g.norm())),
-                "norm_ratio": float(back.norm() / g.norm()), "code_entropy_bits": entropy_bits(codes)}
+                "norm_ratio": float(back.norm() / g.norm()), "code_entropy_bits": entropy_bits(codes, bits)}
     return row
 
 
