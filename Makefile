@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 # make setup TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126" (docs/gpu.md)
 TORCH   ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean-venv
+.PHONY: setup demo test test-fast lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: setup
 # The inner loop: everything but the multi-process (`dist`) and the slow or SmolLM2 (`slow`) tests.
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not dist" $(PYTEST_ARGS)
+
+# The linter: the whole tree, configured in pyproject.toml ([tool.ruff]); CI runs it before the tests.
+lint: setup
+	.venv/bin/ruff check .
 
 bench: setup
 	$(PY) benchmarks/mask_overhead.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 15, as one prepared script (docs/gpu_check.md): environment, the `gpu`
+# The GPU check, as one prepared script (docs/gpu_check.md): environment, the `gpu`
 # tests, thinpipe vs a plain training loop (benchmarks/gpu_throughput.py), and `thinpipe plan`
 # measured on this GPU next to the H100 data sheet. ~3 minutes on one H200; --dry-run runs every
 # stage on the CPU in ~2-3 minutes (the tests all skip, the benchmark on tiny-llama, plan on cpu).

@@ -20,7 +20,7 @@ import torch
 from thinpipe.boundary import kept_dims
 from thinpipe.config import Config, apply_overrides
 from thinpipe.data import batches, build_dataset
-from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
 
 ARMS = {"Dense": {"boundary.kind": "identity"}, "M90": {"boundary.kind": "mask", "boundary.p": 0.90},

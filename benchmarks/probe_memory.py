@@ -1,7 +1,7 @@
 """Peak resident memory of ``thinpipe probe`` against the number of arms, before and after the probe
-streams each arm's gradient cosines instead of storing the arm's gradients (issue 26, item 6).
+streams each arm's gradient cosines instead of storing the arm's gradients (docs/probe.md: memory).
 
-Each measurement is a fresh child process that runs ``thinpipe.probe.probe`` on SmolLM2-135M
+Each measurement is a fresh child process that runs ``thinpipe.commands.probe_lib.probe`` on SmolLM2-135M
 (4 stages, MATH, 2 held-out batches of 4 x 128 tokens, CPU, one torch thread) and then reads its own
 peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss`` and ``/proc/self/status: VmHWM``). "before"
 is ``thinpipe/probe.py`` at ``--before-rev`` (the probe that kept every arm's per-batch gradients),
@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "probe_memory.json"
-# The probe as it was when it stored every batch's gradient of every arm (the last commit before issue 26's item 6).
+# The probe as it was when it stored every batch's gradient of every arm (the last commit before it streamed them).
 BEFORE_REV = "a2d65a17f18e2a8500565a9f637b6464b3aa122b"
 SETTINGS = ["model.name=smollm2-135m", "mesh.pp=4", "data.name=math", "data.max_examples=100", "data.val_rows=32",
             "train.batch_size=4", "train.seq_len=128", "train.device=cpu"]
@@ -40,7 +40,7 @@ ARMS = ["outlier 4b/2b", "mask p=0.9", "topk p=0.9", "quant4", "mapl r=32 pca"]
 
 def _probe_module(code: str, rev: str, work: Path):
     if code == "after":
-        import thinpipe.probe as module
+        import thinpipe.commands.probe_lib as module
 
         return module
     src = subprocess.run(["git", "show", f"{rev}:thinpipe/probe.py"], cwd=ROOT, capture_output=True, text=True,
@@ -65,7 +65,7 @@ def child(code: str, arms: str, rev: str, out: Path) -> int:
 
     torch.set_num_threads(1)
     from thinpipe.config import load_config
-    from thinpipe.engine.setup import build_data, load, place, val_batches
+    from thinpipe.rank.from_config import build_data, load, place, val_batches
 
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="probe-memory-") as work:

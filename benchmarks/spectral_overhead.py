@@ -16,7 +16,7 @@ import torch
 
 from thinpipe.config import Config, apply_overrides
 from thinpipe.data import batches, build_dataset
-from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
 from thinpipe.optim.spectral import SpectralCorrection
 
@@ -48,7 +48,8 @@ def main() -> None:
     mesh.train_step([next(stream)])  # warm-up
     step_s = timed(lambda: mesh.train_step([next(stream)]), args.repeats)
     mesh.forward_backward([next(stream)])
-    opts = [SpectralCorrection(st.named_parameters(), o, rank=args.rank) for st, o in zip(mesh.replicas[0], mesh.optimizers[0])]
+    opts = [SpectralCorrection(st.named_parameters(), o, rank=args.rank)
+            for st, o in zip(mesh.replicas[0], mesh.optimizers[0])]
     grads = [{n: p.grad.clone() for n, p in st.named_parameters()} for st in mesh.replicas[0]]
     saved = [{n: p.detach().clone() for n, p in st.named_parameters()} for st in mesh.replicas[0]]
 

@@ -1,8 +1,8 @@
 """Peak memory of each rank of a distributed job: a 1-stage job vs a 4-stage job, before and after
-each rank loads only its own stage (issue 15).
+each rank loads only its own stage (docs/memory.md).
 
 "before": every rank loads the whole model and carves it (``THINPIPE_BENCH_WHOLE_MODEL=1``, the
-path ``engine/setup.py: load_stage(whole=True)`` keeps for this measurement); "after": every rank
+path ``rank/from_config.py: load_stage(whole=True)`` keeps for this measurement); "after": every rank
 builds only its stage and reads only its tensors (``models/stage_loading.py``). SmolLM2-135M,
 ``model.tied=untie``, one training step of one 64-token row. Each rank runs this file's ``rank``
 entry under torchrun: it trains (``thinpipe train --engine dist``) and then writes its peak RSS
@@ -93,7 +93,8 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"settings": SETTINGS, "unit": "bytes (ru_maxrss x 1024)", "commit": commit,
-                                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "peak_rss_bytes": results},
+                                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                                   "peak_rss_bytes": results},
                                   indent=1) + "\n")
     return 0
 

@@ -7,13 +7,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from thinpipe.boundary import AqsgdBoundary, BottleneckBoundary, OutlierBoundary, Payload, QuantBoundary, TahQuantBoundary
+from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.boundary import (
+    AqsgdBoundary,
+    BottleneckBoundary,
+    OutlierBoundary,
+    Payload,
+    QuantBoundary,
+    TahQuantBoundary,
+)
 from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
 from thinpipe.boundary.quant import dequantize, pack_bits, quantize, unpack_bits
 from thinpipe.boundary.tahquant import hadamard
 from thinpipe.config import ConfigError
-from thinpipe.engine.sim import SimMesh
-from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
 
 H = 64
 
@@ -145,7 +152,8 @@ def test_hadamard_is_orthogonal_and_self_inverse():
     assert torch.allclose(hadamard(y), x, atol=1e-5)
     assert torch.allclose(y.norm(dim=1), x.norm(dim=1), atol=1e-4)
     H8 = hadamard(torch.eye(8))
-    assert torch.allclose(H8 @ H8.T, torch.eye(8), atol=1e-6) and torch.allclose(H8.abs(), torch.full((8, 8), 8 ** -0.5))
+    assert torch.allclose(H8 @ H8.T, torch.eye(8), atol=1e-6) and \
+        torch.allclose(H8.abs(), torch.full((8, 8), 8 ** -0.5))
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard(torch.randn(3, 12))
 
@@ -191,7 +199,7 @@ def test_bottleneck_is_a_projection_at_start_and_its_halves_live_on_their_stages
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier"])
 def test_every_new_kind_trains_in_the_engine(kind, tmp_path):
-    from thinpipe.engine.run import train
+    from thinpipe.engine.sim_engine import train
 
     cfg = config(model__name="tiny-llama", data__name="synthetic", mesh__pp=2, boundary__kind=kind,
                  train__steps=3, train__batch_size=2, train__seq_len=32, data__val_rows=4, eval__every=0,

@@ -8,8 +8,19 @@ import math
 import pytest
 import torch
 
-from thinpipe.checkpoint import (CheckpointError, _permuted_dense, decode_tree, encode_tree, latest_complete, load_part, prune,
-                                 remove_parts, save_part, sets, step_dir)
+from thinpipe.checkpoint import (
+    CheckpointError,
+    _permuted_dense,
+    decode_tree,
+    encode_tree,
+    latest_complete,
+    load_part,
+    prune,
+    remove_parts,
+    save_part,
+    sets,
+    step_dir,
+)
 
 
 def nasty_tree():

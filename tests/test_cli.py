@@ -7,9 +7,9 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import skip_or_fail, tiny_model
 from thinpipe.checkpoint import latest_complete
 from thinpipe.cli import main
-from tests.helpers import skip_or_fail, tiny_model
 
 TINY = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.seq_len=32",
         "--set", "train.batch_size=2", "--set", "train.lr=1e-3", "--set", "data.val_rows=4"]
@@ -43,7 +43,7 @@ def test_train_end_to_end_writes_all_outputs(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch):
-    from thinpipe.engine.sim import SimMesh
+    from thinpipe.engine.sim_mesh import SimMesh
 
     args = [*TINY, "--set", "train.steps=6", "--set", "mesh.pp=2", "--set", "boundary.kind=mask",
             "--set", "mesh.dp=2", "--set", "train.checkpoint_every=3", "--set", "mesh.anchor=1",
@@ -63,7 +63,8 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
     assert latest_complete(part / "checkpoint", "mesh")[1]["mesh"]["step"] == 3
     monkeypatch.setattr(SimMesh, "train_step", real_step)
     assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
-    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part)]
+    losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (full, part)]
     assert losses[0] == losses[1] and len(losses[0]) == 6
     a = latest_complete(full / "checkpoint", "mesh")[1]["mesh"]
     b = latest_complete(part / "checkpoint", "mesh")[1]["mesh"]
@@ -78,7 +79,7 @@ def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch)
 def test_export_loads_with_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from thinpipe.runs import load_run
+    from thinpipe.engine.run_folder import load_run
 
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=2", "--set", "mesh.pp=2"]) == 0
@@ -184,3 +185,22 @@ def test_a_file_named_gguf_that_is_not_gguf_is_one_line(tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path / "r"), "--set", f"model.name={fake}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "is not a GGUF file" in err
+
+
+def test_every_command_module_is_registered_with_the_command_shape():
+    """One module per command (docs/architecture.md): NAME, HELP, add_arguments, run, and listed in COMMANDS."""
+    import importlib
+    import pkgutil
+
+    import thinpipe.commands
+    from thinpipe.cli import COMMANDS
+
+    named = []
+    for info in pkgutil.iter_modules(thinpipe.commands.__path__):
+        mod = importlib.import_module(f"thinpipe.commands.{info.name}")
+        if hasattr(mod, "NAME"):
+            named.append(mod)
+    assert sorted(m.NAME for m in named) == sorted(c.NAME for c in COMMANDS)
+    for c in COMMANDS:
+        assert isinstance(c.HELP, str) and c.HELP and callable(c.add_arguments) and callable(c.run), c.__name__
+    assert len({c.NAME for c in COMMANDS}) == len(COMMANDS)

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from thinpipe.cli import main
-from thinpipe.compare import compare, format_table, wire_dtype
-from thinpipe.demo import keeps_quality
+from thinpipe.commands.compare import compare, format_table, wire_dtype
+from thinpipe.commands.demo import keeps_quality
 
 H, LINKS = 576, 3  # SmolLM2-135M on 4 stages: Dense sends 2 x 3 x 576 values per token
 

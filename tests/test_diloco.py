@@ -2,9 +2,9 @@
 
 import torch
 
+from tests.helpers import drive
 from thinpipe.comm import ByteMeter, InProcessGroup, Work
 from thinpipe.dp.diloco import DiLoCoState, outer_step
-from tests.helpers import drive
 
 
 class DoublingGroup:

@@ -6,7 +6,6 @@ training loss, final held-out loss and metered bytes per axis must equal the sim
 
 import json
 import os
-from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -47,10 +46,9 @@ CASES = {
                                                  "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
                                                  "--set", "train.steps=5"]),
     # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles both ways.
-    "outlier channels + rotated 2-bit, 2 replicas x 3 stages": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
-                                                                   "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
-                                                                   "--set", "boundary.outlier_channels=4",
-                                                                   "--set", "boundary.quant_group=16"]),
+    "outlier channels + rotated 2-bit, 2 replicas x 3 stages": (6, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
+        "--set", "boundary.outlier_channels=4", "--set", "boundary.quant_group=16"]),
     # Issue 26's outlier settings: the Lloyd-Max grid, per-token backward scales, a token-sparse backward
     # (the receiver's bitmap of the kept tokens crosses with their codes).
     "outlier Lloyd-Max + token-sparse backward, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
@@ -73,11 +71,10 @@ CASES = {
                                                          "--set", "anchor.every=1", "--set", "train.lora.rank=4",
                                                          "--set", "train.steps=5"]),
     # (MAPL-VQ has no anchor circuit: its boundary is part of the model, so there is no dense pass.)
-    "top-K + AP + DiLoCo, dense push, 2 x 2 + anchor row": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
-                                                               "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
-                                                               "--set", "boundary.kind=topk", "--set", "dp.kind=diloco",
-                                                               "--set", "dp.inner_steps=2", "--set", "anchor.staleness=2",
-                                                               "--set", "train.steps=7"]),
+    "top-K + AP + DiLoCo, dense push, 2 x 2 + anchor row": (6, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
+        "--set", "boundary.kind=topk", "--set", "dp.kind=diloco", "--set", "dp.inner_steps=2",
+        "--set", "anchor.staleness=2", "--set", "train.steps=7"]),
 }
 
 
@@ -115,7 +112,8 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(dist_out) == results(sim)
     # every rank, the anchor's too, holds its part of the final set (and only of it: keep_checkpoints)
-    assert sorted(p.name for p in (dist_out / "checkpoint").glob("*/*.sha256")) == [f"rank{r}.sha256" for r in range(nproc)]
+    assert sorted(p.name for p in (dist_out / "checkpoint").glob("*/*.sha256")) == \
+        [f"rank{r}.sha256" for r in range(nproc)]
 
 
 @pytest.mark.slow

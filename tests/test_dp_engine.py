@@ -4,11 +4,10 @@ import copy
 import math
 
 import pytest
-
 import torch
 
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
 
 KW = dict(model__name="tiny-llama", mesh__pp=2, mesh__dp=2, train__batch_size=2, train__lr=1e-3)
 

@@ -1,4 +1,4 @@
-"""Elastic replicas on torchft (engine/elastic.py, launch_elastic.py, comm/managed.py, comm/recovery.py).
+"""Elastic replicas on torchft (engine/elastic_rank.py, launch_elastic.py, comm/managed.py, comm/recovery.py).
 
 Multi-process cases (marked ``dist``): with no failure every replica's files equal ``--engine dist``'s
 bitwise, for every DP scheme; a replica SIGKILLed mid-step leaves the others training to the end, is
@@ -20,7 +20,8 @@ from thinpipe.checkpoint import CheckpointError, load_part, sets
 from thinpipe.cli import main
 from thinpipe.comm.managed import ManagedGroup
 from thinpipe.comm.meter import ByteMeter
-from thinpipe.comm.recovery import MAGIC, SafeTransport, decode_state, encode_state
+from thinpipe.comm.recovery import SafeTransport
+from thinpipe.comm.state_blob import MAGIC, decode_state, encode_state
 from thinpipe.events import append_event, read_events
 
 BASE = ["--set", "data.name=synthetic", "--set", "train.batch_size=2", "--set", "train.seq_len=32",
@@ -31,7 +32,8 @@ BASE = ["--set", "data.name=synthetic", "--set", "train.batch_size=2", "--set", 
 # ------------------------------------------------------------------------------------------ units
 
 def test_the_recovery_wire_round_trips_a_state_and_never_unpickles():
-    state = {"user": {"thinpipe": {"rank": {"stage": {"w": torch.randn(3, 4)}, "in_flight": [(3, 1, {"a": torch.ones(2)})]},
+    state = {"user": {"thinpipe": {"rank": {"stage": {"w": torch.randn(3, 4)},
+                                            "in_flight": [(3, 1, {"a": torch.ones(2)})]},
                                    "boundaries": {0: {"p": torch.arange(4)}}, "members": [0, 2],
                                    "job_bytes": {"dp": 10}}},
              "torchft": {"step": 7, "batches_committed": 14}}
@@ -56,7 +58,8 @@ def test_a_joiner_that_asks_before_the_state_is_staged_waits_for_it():
     tr = SafeTransport(timedelta(seconds=2), bytes(range(32)), host="127.0.0.1")
     try:
         got = {}
-        th = threading.Thread(target=lambda: got.update(s=tr.recv_checkpoint(0, tr.metadata(), 5, timedelta(seconds=10))))
+        th = threading.Thread(
+            target=lambda: got.update(s=tr.recv_checkpoint(0, tr.metadata(), 5, timedelta(seconds=10))))
         th.start()
         tr.send_checkpoint([1], 5, {"user": {"x": torch.ones(3)}, "torchft": {"step": 5}}, timedelta(seconds=1))
         th.join(10)
@@ -113,7 +116,8 @@ def test_events_are_appended_one_json_line_each(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.anchor=1", "--set", "mesh.dp=2"],
      "elastic replicas do not run an anchor circuit yet"),
-    (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.dp=2"], "--engine elastic needs \\$REPLICA_GROUP_ID"),
+    (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.dp=2"],
+     "--engine elastic needs \\$REPLICA_GROUP_ID"),
     (["train", "--out", "X", "--engine", "elastic", "--resume"], "an elastic job resumes through its launcher"),
     (["launch", "--elastic", "--", "train", "--out", "X", "--resume", "--set", "mesh.dp=2"],
      "--resume: .* holds no elastic job \\(no events.jsonl\\)"),
@@ -123,7 +127,8 @@ def test_events_are_appended_one_json_line_each(tmp_path):
      "--nproc 3 does not match an elastic job of mesh.dp x mesh.pp = 2 x 2 = 4"),
     (["launch", "--elastic", "--max-restarts", "-1", "--", "train", "--out", "X"], "--max-restarts must be >= 0"),
     (["launch", "--", "train", "--out", "X"], "thinpipe launch needs --nproc N"),
-    (["train", "--out", "X", "--engine", "elastic", "--init-from", "X"], "--init-from is not taken by --engine elastic"),
+    (["train", "--out", "X", "--engine", "elastic", "--init-from", "X"],
+     "--init-from is not taken by --engine elastic"),
 ])
 def test_bad_elastic_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -203,7 +208,8 @@ def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, sch
     job = json.loads((tmp_path / "el" / "summary.json").read_text())
     assert job["replicas_finished"] == 2 and job["restarts"] == 0 and job["steps_redone"] == 0
     assert job["final_val_loss"] == json.loads((tmp_path / "dist" / "summary.json").read_text())["final_val_loss"]
-    assert main(["compare", str(tmp_path / "dist"), str(tmp_path / "el"), "--json"]) == 0  # a job folder is a run folder
+    # a job folder is a run folder
+    assert main(["compare", str(tmp_path / "dist"), str(tmp_path / "el"), "--json"]) == 0
 
 
 @pytest.mark.dist
@@ -301,8 +307,8 @@ def test_an_input_error_a_replica_finds_stops_the_job_with_exit_2_instead_of_res
 
 def test_the_job_summary_counts_missed_replica_steps_rejoin_time_and_merges_rows(tmp_path):
     """elastic_summary from replica folders and events alone (what the launcher writes at the end)."""
+    from thinpipe.commands.launch_elastic import elastic_summary
     from thinpipe.config import load_config
-    from thinpipe.launch_elastic import elastic_summary
 
     cfg = load_config(None, ["mesh.dp=3", "train.steps=10"])
     out = tmp_path / "job"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from thinpipe.engine.schedule import gpipe, one_f_one_b, serial_order
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.rank.schedule import gpipe, one_f_one_b, serial_order
 
 
 def test_packed_documents_do_not_see_each_other():

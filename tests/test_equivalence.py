@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
 
 
 def _grads(mesh, replica=0):

@@ -20,13 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import config, tiny_batch, tiny_model
 from thinpipe.boundary.prf import keep_indices
 from thinpipe.comm import AXES
-from thinpipe.engine.run import train
-from thinpipe.engine.sim import SimMesh
-from thinpipe.engine.sim_engine import SimEngine
-
-from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_engine import SimEngine, train
+from thinpipe.engine.sim_mesh import SimMesh
 
 # THINPIPE_GPU_TESTS_ON=cpu runs every test here with "cpu" in place of "cuda" (the plumbing, on a
 # machine without a GPU: comparisons are then trivially equal; benchmarks/gpu_check.sh --dry-run).
@@ -160,10 +158,12 @@ def test_dist_on_cuda_equals_sim_on_cuda(tmp_path):
                         "--out", str(tmp_path / "dist"), "--quiet", *args], env=env, capture_output=True, text=True,
                        timeout=300)
     assert d.returncode == 0, d.stderr[-3000:]
-    rows = {k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()] for k in ("sim", "dist")}
+    rows = {k: [json.loads(x) for x in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+            for k in ("sim", "dist")}
     for a, b in zip(rows["sim"], rows["dist"]):
         assert abs(a["loss"] - b["loss"]) < DIST_TOL
-        assert {k: v for k, v in a.items() if k.endswith("_bytes")} == {k: v for k, v in b.items() if k.endswith("_bytes")}
+        assert {k: v for k, v in a.items() if k.endswith("_bytes")} == \
+            {k: v for k, v in b.items() if k.endswith("_bytes")}
 
 
 def test_eval_logits_and_generation_on_cuda():

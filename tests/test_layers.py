@@ -13,25 +13,20 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "thinpipe"
 
 LAYERS = [
-    ["thinpipe.log", "thinpipe.plugins"],                                                # foundation
+    ["thinpipe.console", "thinpipe.plugins"],                         # one-line output, boundary kinds of plugins
     ["thinpipe.config"],
-    ["thinpipe.mesh", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes, checkpoint files,
-     "thinpipe.runlock", "thinpipe.jsonl"],                         # a run folder's lock, rows a crash cut off,
-    ["thinpipe.dashboards", "thinpipe.events"],                     # dashboards, an elastic job's events (read as rows)
-    ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],                                # transport, math, data
+    ["thinpipe.faults"],                                              # the tests' fault injection, read once
+    ["thinpipe.layout", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes,
+     "thinpipe.runlock", "thinpipe.jsonl"],                           # checkpoint files, a run folder's lock, rows
+    ["thinpipe.dashboards", "thinpipe.events"],                       # dashboards, an elastic job's events
+    ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],             # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
-    ["thinpipe.boundary"],                                                               # the boundary contract
-    ["thinpipe.engine.context", "thinpipe.engine.schedule", "thinpipe.engine.worker",    # engine core: a rank
-     "thinpipe.engine.rank", "thinpipe.engine.diagnostics", "thinpipe.engine.passes", "thinpipe.engine.setup"],
-    ["thinpipe.anchor"],                                                                 # the anchor circuit
-    ["thinpipe.engine.sim", "thinpipe.engine.sim_engine",  # runners
-     "thinpipe.engine.dist", "thinpipe.engine.elastic", "thinpipe.engine.run", "thinpipe.engine"],
-    ["thinpipe.runs"],                                                                   # run folders
-    ["thinpipe.prune", "thinpipe.analyze", "thinpipe.probe", "thinpipe.plan", "thinpipe.launch", "thinpipe.compare",
-     "thinpipe.preflight"],  # commands
-    ["thinpipe.launch_elastic"],                                                         # uses launch's helpers
-    ["thinpipe.demo"],                                                                   # runs train + compare
-    ["thinpipe.bench"],                                                                  # runs plan + launch
+    ["thinpipe.boundary"],                                            # the boundary contract
+    ["thinpipe.rank"],                                                # one rank, transport-free
+    ["thinpipe.anchor"],                                              # the anchor circuit
+    ["thinpipe.engine"],                                              # runners: the loop, sim, dist, elastic
+    ["thinpipe.plan"],                                                # the planner (closed form, DES, advice)
+    ["thinpipe.commands"],                                            # one module per command
     ["thinpipe.cli"],
     ["thinpipe.__main__", "thinpipe"],
 ]
@@ -123,9 +118,64 @@ def test_no_import_cycles_even_through_lazy_imports():
 
 def test_the_checks_catch_a_violation(tmp_path):
     """The layer rule is not vacuous: an engine module importing the CLI is caught."""
-    assert layer_of("thinpipe.engine.rank")[0] < layer_of("thinpipe.cli")[0]
-    assert layer_of("thinpipe.comm.dist")[0] < layer_of("thinpipe.boundary.mask")[0]
+    assert layer_of("thinpipe.rank.stage_rank")[0] < layer_of("thinpipe.cli")[0]
+    assert layer_of("thinpipe.comm.dist_transport")[0] < layer_of("thinpipe.boundary.mask")[0]
     f = tmp_path / "x.py"
     f.write_text("def f():\n    from thinpipe.cli import main\n")
     assert imports(f, "thinpipe.x") == {"thinpipe.cli.main"}
     assert layer_of("thinpipe.cli.main") == layer_of("thinpipe.cli")
+
+
+def package_cycle(edges: dict[str, set[str]]) -> list[str]:
+    """A cycle of the package graph (``edges``: package -> packages it imports), or []."""
+    done: set[str] = set()
+
+    def visit(n: str, path: list[str]) -> list[str]:
+        if n in path:
+            return path[path.index(n):] + [n]
+        if n in done:
+            return []
+        for t in sorted(edges.get(n, ())):
+            if found := visit(t, path + [n]):
+                return found
+        done.add(n)
+        return []
+
+    for n in sorted(edges):
+        if found := visit(n, []):
+            return found
+    return []
+
+
+def test_no_cycles_between_packages():
+    """Packages as nodes (``thinpipe.rank``, ``thinpipe.engine``; a root module is its own node): the
+    graph is acyclic, so every package is one layer and the folder list is the layer table."""
+    g = graph()
+    modules = set(g)
+
+    def node(t: str) -> str:
+        while t and t not in modules:
+            t = t.rpartition(".")[0]
+        return package_of(t)
+
+    edges: dict[str, set[str]] = {}
+    for m, ts in g.items():
+        edges.setdefault(package_of(m), set()).update(node(t) for t in ts if node(t) != package_of(m))
+    edges.pop("thinpipe", None)  # the package itself (``__init__``/``__main__``) sits on top
+    cycle = package_cycle(edges)
+    assert not cycle, "package cycle: " + " -> ".join(cycle)
+    # the check is not vacuous: a cycle such as engine -> anchor -> engine is found
+    assert package_cycle({"e": {"a"}, "a": {"e"}, "c": {"e"}}) == ["a", "e", "a"]
+
+
+def test_the_tree_keeps_its_shape():
+    """Small files with one idea each: no module over 400 lines, the CLI a registry (at most 120), and the
+    package root holds foundation modules only (at most 12 besides ``__init__`` and ``__main__``)."""
+    long = [f"{p.relative_to(PACKAGE.parent)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 400]
+    assert not long, "modules over 400 lines (split them along an idea):\n" + "\n".join(long)
+    assert len((PACKAGE / "cli.py").read_text().splitlines()) <= 120, "cli.py is a registry: commands go in commands/"
+    root = sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in ("__init__", "__main__"))
+    assert len(root) <= 12, f"the package root holds {len(root)} modules: {root}"
+    foundation = {p for layer in LAYERS[:layer_of("thinpipe.comm")[0]] for p in layer}
+    assert {f"thinpipe.{m}" for m in root} - foundation == {"thinpipe.cli"}, "the root holds foundation modules only"

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.helpers import config, tiny_batch, tiny_model
 from thinpipe.boundary import OutlierBoundary, Payload
 from thinpipe.boundary.lloyd_max import dequantize_rms, gaussian_levels, quantize_rms
 from thinpipe.boundary.quant import dequantize, quantize
 from thinpipe.comm.header import PayloadError, spec_of
 from thinpipe.config import ConfigError
-from thinpipe.engine.sim import SimMesh
-from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
 
 H = 64
 # J. Max, "Quantizing for minimum distortion" (IRE Trans. Inf. Theory, 1960), Table I: the positive

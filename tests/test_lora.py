@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from thinpipe.config import ConfigError
-from thinpipe.engine.sim import SimMesh
-from thinpipe.models.lora import adapter_seed, apply_lora, merge_lora
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.config import ConfigError
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.models.lora import adapter_seed, apply_lora, merge_lora
 
 LORA = dict(train__lora__rank=4, train__lora__alpha=8.0)
 
@@ -125,8 +125,9 @@ def test_lora_composes_with_masking_the_anchor_circuit_and_diloco():
 
 @pytest.mark.slow
 def test_train_reports_trainable_params_and_export_merges_adapters(tmp_path):
-    from thinpipe.cli import main
     from transformers import AutoModelForCausalLM
+
+    from thinpipe.cli import main
 
     run = tmp_path / "run"
     sets = ["model.name=tiny-llama", "data.name=synthetic", "mesh.pp=2", "train.steps=2", "train.batch_size=2",
@@ -138,7 +139,7 @@ def test_train_reports_trainable_params_and_export_merges_adapters(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert not any("lora" in n for n, _ in hf.named_parameters())
     # the exported plain model computes what the trained mesh computes
-    from thinpipe.runs import load_mesh
+    from thinpipe.engine.run_folder import load_mesh
 
     _, mesh, _ = load_mesh(run)
     ids = torch.randint(0, 512, (1, 12))

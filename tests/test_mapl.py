@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from thinpipe.engine.sim import SimMesh
-from thinpipe.optim.stiefel import stiefel_error
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.optim.stiefel import stiefel_error
 
 H, V = 64, 512
 
@@ -30,7 +30,7 @@ def test_full_rank_static_offset_is_the_dense_model():
 
 def reference_loss(mesh, batch):
     """The MAPL model computed in one graph, with one shared A per boundary (no copies, no wire)."""
-    from thinpipe.engine.context import make_contexts
+    from thinpipe.rank.context import make_contexts
     stages, bounds = mesh.replicas[0], mesh.boundaries
     ctx = make_contexts(batch, 1, 0, 0)[0]
     x = ctx.input_ids
@@ -164,7 +164,7 @@ def test_stage_state_dict_with_the_old_in_anchor_key_loads(offset):
 def test_an_old_run_folder_loads(tmp_path, capsys):
     """config.toml with ``[boundary] anchor = ...`` and a checkpoint with ``in_anchor`` keys: load_mesh restores it."""
     from thinpipe.checkpoint import save_part, step_dir
-    from thinpipe.runs import load_mesh
+    from thinpipe.engine.run_folder import load_mesh
     from thinpipe.models import load_model
 
     cfg = mapl_cfg(boundary__offset="full")

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from thinpipe.cli import main
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.cli import main
+from thinpipe.engine.sim_mesh import SimMesh
 
 ARGS = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "mesh.pp=4",
         "--set", "train.steps=4", "--set", "train.batch_size=2", "--set", "train.seq_len=32",

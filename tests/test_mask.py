@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import torch
 
+from tests.helpers import config, tiny_batch, tiny_model
 from thinpipe.boundary import MaskBoundary, kept_dims
 from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
 from thinpipe.boundary.prf import keep_indices, prf_key
-from thinpipe.engine.sim import SimMesh
-from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
 
 H = 64
 
@@ -59,7 +59,8 @@ def test_indices_identical_in_another_process():
     key = prf_key(7, 2, 1234, 5, 1)
     mine = keep_indices(key, 32, 576, 29)
     code = ("import torch,sys; from thinpipe.boundary.prf import keep_indices, prf_key;"
-            "k=prf_key(7,2,1234,5,1); sys.stdout.write(','.join(map(str,keep_indices(k,32,576,29).flatten().tolist())))")
+            "k=prf_key(7,2,1234,5,1); "
+            "sys.stdout.write(','.join(map(str,keep_indices(k,32,576,29).flatten().tolist())))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert torch.equal(mine.flatten(), torch.tensor([int(v) for v in out.split(",")]))
     assert mine[0, :5].tolist() == keep_indices(key, 1, 576, 29)[0, :5].tolist()

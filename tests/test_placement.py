@@ -13,12 +13,11 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import config
 from thinpipe import placement
 from thinpipe.comm.staging import StagedWork, to_device, to_host
 from thinpipe.config import ConfigError
-from thinpipe.engine.run import train
-
-from tests.helpers import config
+from thinpipe.engine.sim_engine import train
 
 
 @pytest.fixture

@@ -140,8 +140,8 @@ def test_bench_prediction_without_links_gives_back_the_calibration_step():
     """The bench's model: with links that cost no time the predicted step is the measured
     unshaped step T0 (an (M + K - 1)-slot pipeline of f + b = T0 / (M + K - 1)); each message's
     header is on the wire even when the metered payload is nothing."""
-    from thinpipe.bench import BASE, predict_step_s
     from thinpipe.comm.header import HEADER_BYTES
+    from thinpipe.commands.bench import BASE, predict_step_s
 
     shaped = {"tokens": 2560, "steps": 10, "bytes_per_token": {"pp_fwd": 0, "pp_bwd": 0, "pp_params": 0, "dp": 0}}
     assert predict_step_s(0.3, shaped, BASE, 1e12, 1e12, 0.0) == pytest.approx(0.3)
@@ -369,7 +369,7 @@ def metered():
     """PP bytes per token the simulated mesh's meter counts for each kind on an fp32 and a bf16 wire
     (tiny-llama, 2 stages, one step of 2 x 16 tokens), with the plan of the same config."""
     from tests.helpers import tiny_batch, tiny_model
-    from thinpipe.engine.sim import SimMesh
+    from thinpipe.engine.sim_mesh import SimMesh
 
     out = {}
     for wire in ("float32", "bfloat16"):
@@ -443,7 +443,7 @@ def test_lora_shrinks_dp_and_anchor_bytes_to_the_adapters_not_pp():
 
 
 def test_bench_steady_step_leaves_out_the_warm_up_steps():
-    from thinpipe.bench import steady_step_s
+    from thinpipe.commands.bench import steady_step_s
 
     walls = [1.0, 1.1, 1.2, 1.3, 1.4] + [1.4 + 0.05 * i for i in range(1, 11)]  # 1 s start-up, then 0.05 s
     assert steady_step_s(walls, skip=5) == pytest.approx(0.05)
@@ -452,7 +452,7 @@ def test_bench_steady_step_leaves_out_the_warm_up_steps():
 
 def test_bench_calibration_is_the_fast_circuit_over_free_links():
     """T0 has no link time and no anchor in it (the planner puts the anchor off the critical path)."""
-    from thinpipe.bench import ARMS, BASE, CALIBRATION_MBPS, calibration
+    from thinpipe.commands.bench import ARMS, BASE, CALIBRATION_MBPS, calibration
 
     shaped = {"link.pp_mbps": 4.0, "link.pp_latency_ms": 5.0, "link.dp_mbps": 4.0, "link.dp_latency_ms": 5.0}
     for arm in ("M95", "M95+AP", "M95+AP + PowerSGD r4, 2 replicas"):

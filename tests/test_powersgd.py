@@ -4,9 +4,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ptpsgd
 
+from tests.helpers import drive
 from thinpipe.comm import ByteMeter, InProcessGroup
 from thinpipe.dp.powersgd import PowerSGDState, orthonormalize, powersgd_average, wire_numel
-from tests.helpers import drive
 
 
 def average(states, tensors_per_rank):

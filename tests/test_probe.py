@@ -8,14 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
+import thinpipe.commands.probe_lib as probe_module
 from thinpipe.cli import main
+from thinpipe.commands.probe_lib import GRID, PROBE_MESH, _grads, cosine, measure_arm, probe, select_grid
 from thinpipe.config import ConfigError, apply_overrides, load_config
+from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.plan.advice import advise, candidates, load_probe
 from thinpipe.plan.planner import DEVICES, PRESETS, activation_fraction
-import thinpipe.probe as probe_module
-from thinpipe.engine.setup import build_data, load, place, residual_batches, val_batches
-from thinpipe.engine.sim import SimMesh
-from thinpipe.probe import GRID, PROBE_MESH, _grads, cosine, measure_arm, probe, select_grid
+from thinpipe.rank.from_config import build_data, load, place, residual_batches, val_batches
 
 TINY = ["model.name=tiny-llama", "data.name=synthetic", "mesh.pp=3", "train.seq_len=32", "train.batch_size=2",
         "train.microbatches=1"]

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from thinpipe.cli import main
-from thinpipe.config import ConfigError
-from thinpipe.prune import global_magnitude_prune, parse_sparsities, prunable
 from tests.helpers import tiny_model
+from thinpipe.cli import main
+from thinpipe.commands.prune_lib import global_magnitude_prune, parse_sparsities, prunable
+from thinpipe.config import ConfigError
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.1, 0.37, 0.5, 0.9])

@@ -1,5 +1,5 @@
 """Hostile peers against the elastic engine's recovery and torchft's listeners (comm/recovery.py,
-engine/elastic.py, launch_elastic.py; docs/security.md, "Elastic replicas: torchft and recovery").
+engine/elastic_rank.py, launch_elastic.py; docs/security.md, "Elastic replicas: torchft and recovery").
 
 Fast tests run a real state server (``SafeTransport``) or a fake hostile one on 127.0.0.1 in this
 process; the slow one lists the listening sockets of a real ``thinpipe launch --elastic`` job.
@@ -26,8 +26,8 @@ from tests.listeners import descendants, listening
 from thinpipe.checkpoint import CheckpointError
 from thinpipe.comm import recovery
 from thinpipe.comm.jobkey import derive
-from thinpipe.comm.recovery import (MAGIC, MAX_DEPTH, SafeTransport, answer_mac, authorization, decode_state,
-                                    encode_state, state_tag)
+from thinpipe.comm.recovery import SafeTransport, answer_mac, authorization, state_tag
+from thinpipe.comm.state_blob import MAGIC, MAX_DEPTH, decode_state, encode_state
 
 KEY, OTHER = secrets.token_bytes(32), secrets.token_bytes(32)
 STATE = {"user": {"thinpipe": {"rank": {"stage": {"w": torch.randn(64, 64)}}, "members": [0, 1]}},
@@ -336,9 +336,9 @@ def test_a_half_sent_request_is_closed_at_the_header_deadline(sender):
 def test_the_lighthouse_and_a_replicas_manager_server_bind_the_jobs_address(monkeypatch):
     import torchft.manager as torchft_manager
 
+    from thinpipe.commands.launch_elastic import start_lighthouse
     from thinpipe.config import load_config
-    from thinpipe.engine.elastic import manager_binds_to
-    from thinpipe.launch_elastic import start_lighthouse
+    from thinpipe.engine.elastic_setup import manager_binds_to
 
     monkeypatch.delenv("THINPIPE_BIND_ADDR", raising=False)
     monkeypatch.delenv("MASTER_ADDR", raising=False)

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-
 import torch
 
 from thinpipe.checkpoint import latest_complete, load_part, sets
@@ -59,7 +58,7 @@ def test_the_issues_divergence_ends_in_one_line_exit_3_and_no_diverged_checkpoin
 def test_divergence_keeps_the_last_good_checkpoint_and_names_it(tmp_path, capsys, monkeypatch):
     """Weights poisoned by step 3's update: steps 1-3's checkpoints stay, the newest (3) is finite,
     and the one line says to resume from it."""
-    from thinpipe.engine.sim import SimMesh
+    from thinpipe.engine.sim_mesh import SimMesh
 
     real = SimMesh.train_step
 

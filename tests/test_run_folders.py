@@ -24,9 +24,9 @@ import pytest
 from thinpipe.checkpoint import sets
 from thinpipe.cli import main
 from thinpipe.config import ConfigError
+from thinpipe.engine.run_folder import EXPORT_MARKER
 from thinpipe.jsonl import read_rows
 from thinpipe.runlock import HELD_ENV, LOCK_FILE, holder, is_held, take_run_lock
-from thinpipe.runs import EXPORT_MARKER
 
 TINY = ["--quiet", "--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.batch_size=2",
         "--set", "train.seq_len=32", "--set", "train.lr=1e-3", "--set", "mesh.pp=2", "--set", "train.steps=4",
@@ -254,7 +254,7 @@ def test_a_damaged_metrics_line_before_the_last_is_one_line_not_a_traceback(tmp_
 
 def test_an_elastic_jobs_overwrite_removes_its_own_files_only_and_holds_the_lock(tmp_path, monkeypatch):
     pytest.importorskip("torchft")
-    from thinpipe.launch_elastic import claim_job
+    from thinpipe.commands.launch_elastic import claim_job
 
     monkeypatch.delenv(HELD_ENV, raising=False)
     job = tmp_path / "job"

@@ -7,7 +7,7 @@ import torch
 
 from thinpipe.config import Config, apply_overrides
 from thinpipe.data import batches, build_dataset
-from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
 
 pytestmark = pytest.mark.slow

@@ -5,10 +5,16 @@ import copy
 import pytest
 import torch
 
-from thinpipe.engine.sim import SimMesh
-from thinpipe.optim.spectral import (SpectralBasis, SpectralCorrection, anchor_basis, blend, filter_weights,
-                                     randomized_svd, spectral_filter)
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.optim.spectral import (
+    SpectralCorrection,
+    anchor_basis,
+    blend,
+    filter_weights,
+    randomized_svd,
+    spectral_filter,
+)
 
 
 def test_hand_computed_3x2_filter_and_blend():
@@ -169,7 +175,7 @@ def test_checkpoint_round_trip_continues_the_trajectory():
 
 
 def test_diagnostics_restore_the_masked_gradient_and_report_alignment():
-    from thinpipe.engine.diagnostics import clean_gradient, gradient_diagnostics
+    from thinpipe.rank.diagnostics import gradient_diagnostics
 
     mesh = SimMesh(tiny_model("llama"), _anchor_cfg(anchor__staleness=1, diag__every=1))
     _run(mesh, 2)  # a basis exists from step 1 on

@@ -2,12 +2,12 @@
 
 import torch
 
+from tests.helpers import config, tiny_batch, tiny_model
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.boundary.ssn import confinement_error
-from thinpipe.engine.context import make_contexts
-from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.optim.stiefel import stiefel_error
-from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.rank.context import make_contexts
 
 
 def ssn_cfg(**kw):

@@ -1,5 +1,5 @@
 """A distributed rank builds only its own stage, reading only that stage's tensors from the model
-folder (``models/stage_loading.py``, ``engine/setup.py: load_stage``): the stage must be the one
+folder (``models/stage_loading.py``, ``rank/from_config.py: load_stage``): the stage must be the one
 the whole-model path carves, tensor for tensor, and a run from a folder must still equal the
 simulation file by file.
 
@@ -14,14 +14,14 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from thinpipe.cli import main
-from thinpipe.config import ConfigError
-from thinpipe.engine.setup import load, load_stage
-from thinpipe.models import build_stages
-from thinpipe.models.stage_loading import ModelOnDisk
 from tests.helpers import config, tiny_model
 from tests.test_dist import launch, one_thread  # noqa: F401  (one_thread: a fixture)
 from tests.test_toy_boundary import assert_same_run_files
+from thinpipe.cli import main
+from thinpipe.config import ConfigError
+from thinpipe.models import build_stages
+from thinpipe.models.stage_loading import ModelOnDisk
+from thinpipe.rank.from_config import load, load_stage
 
 
 def byte_tokenizer() -> PreTrainedTokenizerFast:
@@ -53,7 +53,8 @@ def folders(tmp_path_factory):
 
 def tensors(stage) -> dict:
     """name -> (values, dtype, requires_grad) of every parameter (shared ones under each name) and buffer."""
-    out = {f"param {n}": (p.detach(), p.dtype, p.requires_grad) for n, p in stage.named_parameters(remove_duplicate=False)}
+    out = {f"param {n}": (p.detach(), p.dtype, p.requires_grad)
+           for n, p in stage.named_parameters(remove_duplicate=False)}
     out.update({f"buffer {n}": (b, b.dtype, False) for n, b in stage.named_buffers(remove_duplicate=False)})
     return out
 
@@ -126,8 +127,9 @@ DIST_CASES = {
 
 
 @pytest.mark.dist
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("case", list(DIST_CASES))
-def test_dist_from_a_model_folder_equals_the_simulation_file_by_file(case, folders, tmp_path, one_thread):
+def test_dist_from_a_model_folder_equals_the_simulation_file_by_file(case, folders, tmp_path):
     family, extra = DIST_CASES[case]
     args = ["--set", f"model.name={folders[family]}", "--set", "data.name=synthetic", "--set", "train.steps=3",
             "--set", "train.batch_size=2", "--set", "train.seq_len=32", "--set", "train.microbatches=2",

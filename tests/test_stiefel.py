@@ -5,8 +5,7 @@ import torch
 
 from thinpipe.optim.muon import Muon
 from thinpipe.optim.polar import polar_express
-from thinpipe.optim.stiefel import (SPEL, grassmann_step, orthonormal, spel_step, stiefel_error,
-                                    tangent_projection)
+from thinpipe.optim.stiefel import SPEL, grassmann_step, orthonormal, spel_step, stiefel_error, tangent_projection
 
 
 def svd_polar(G):

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from thinpipe.dp.streaming import dequantize_rows, fragment_of, quantize_rows, sync_start_steps
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.dp.streaming import dequantize_rows, fragment_of, quantize_rows, sync_start_steps
+from thinpipe.engine.sim_mesh import SimMesh
 
 FIXTURE = Path(__file__).parent / "fixtures" / "streaming_diloco.json"
 KW = dict(model__name="tiny-llama", mesh__pp=2, mesh__dp=2, train__batch_size=2, train__lr=1e-3,

@@ -135,7 +135,8 @@ def assert_same_run_files(a: Path, b: Path) -> None:
     assert len(rows_a) == len(rows_b)
     for ra, rb in zip(rows_a, rows_b):
         assert ra.keys() == rb.keys()
-        assert {k: v for k, v in ra.items() if k not in WALL_CLOCK} == {k: v for k, v in rb.items() if k not in WALL_CLOCK}
+        assert {k: v for k, v in ra.items() if k not in WALL_CLOCK} == \
+            {k: v for k, v in rb.items() if k not in WALL_CLOCK}
     assert sum_a.keys() == sum_b.keys()
     assert {k: v for k, v in sum_a.items() if k not in WALL_CLOCK} == \
            {k: v for k, v in sum_b.items() if k not in WALL_CLOCK}

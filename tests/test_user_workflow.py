@@ -63,7 +63,7 @@ def test_init_from_a_run_starts_phase_two_from_its_weights_with_a_fresh_schedule
                  "--set", "train.steps=4"]) == 0
     assert main(["train", "--out", str(two), "--quiet", *tiny, "--init-from", str(one), "--set",
                  f"data.name={SAMPLE}", "--set", "train.steps=4", "--set", "train.warmup_ratio=0.5"]) == 0
-    from thinpipe.runs import load_run
+    from thinpipe.engine.run_folder import load_run
 
     _, merged, _ = load_run(one)  # phase one's weights, its LoRA merged
     init = load_file(two / "init" / "model.safetensors")
@@ -115,7 +115,8 @@ def test_wandb_and_trackio_get_the_same_scalars_when_installed(tmp_path, monkeyp
             logged["wandb"].append("finished")
 
     fake_wandb = types.SimpleNamespace(init=lambda **kw: logged["wandb"].append(kw["mode"]) or Run())
-    fake_trackio = types.SimpleNamespace(init=lambda **kw: None, log=lambda v, step: logged["trackio"].append((step, v)),
+    fake_trackio = types.SimpleNamespace(init=lambda **kw: None,
+                                         log=lambda v, step: logged["trackio"].append((step, v)),
                                          finish=lambda: logged["trackio"].append("finished"))
     monkeypatch.setitem(sys.modules, "wandb", fake_wandb)
     monkeypatch.setitem(sys.modules, "trackio", fake_trackio)
@@ -150,7 +151,8 @@ def test_a_dashboard_that_is_not_installed_is_one_line(tmp_path, capsys, monkeyp
 def test_the_chat_sample_trains_on_smollm2_with_its_own_template(tmp_path):
     """Issue 18's "done when": a user's JSONL chat file, the default model, the model's own template."""
     from thinpipe.data import build_dataset
-    from thinpipe.models.loading import load_tokenizer, model_folder as smollm2_folder
+    from thinpipe.models.loading import load_tokenizer
+    from thinpipe.models.loading import model_folder as smollm2_folder
 
     tok = load_tokenizer(smollm2_folder("smollm2-135m"))
     ds = build_dataset(str(SAMPLE), tok, 256, "train", 0, chat_format="template", val_fraction=0.2)

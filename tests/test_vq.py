@@ -4,9 +4,9 @@ import copy
 
 import torch
 
-from thinpipe.boundary.vq import StreamingCodebook, rvq_decode, rvq_encode, split_groups
-from thinpipe.engine.sim import SimMesh
 from tests.helpers import config, tiny_batch, tiny_model
+from thinpipe.boundary.vq import StreamingCodebook, rvq_decode, rvq_encode, split_groups
+from thinpipe.engine.sim_mesh import SimMesh
 
 
 def test_round_trip_exact_on_codebook_sums_and_error_shrinks_with_rounds():
@@ -92,7 +92,7 @@ def test_quantised_training_learns_and_the_gradient_is_straight_through():
     """The sender applies the decoded (quantised) gradient to its unquantised Z: training still
     lowers the loss, and the applied gradient is close to the receiver's true one."""
     from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
-    from thinpipe.engine.context import make_contexts
+    from thinpipe.rank.context import make_contexts
 
     mesh = SimMesh(tiny_model(), vq_cfg(boundary__vq_codes=256))
     losses = [mesh.train_step([tiny_batch(batch_size=2)]) for _ in range(8)]

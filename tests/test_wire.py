@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from thinpipe.boundary.base import Payload
-from thinpipe.comm.shaped import DueQueue, ShapedLink
 from thinpipe.comm.header import Expect, PayloadError, decode_header, encode_header
+from thinpipe.comm.shaped import DueQueue, ShapedLink
 
 
 def sample_payload():
@@ -109,11 +109,11 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
         import sys, time, torch, torch.distributed as dist
         from thinpipe.boundary.base import Payload
         from thinpipe.comm import ByteMeter
-        from thinpipe.comm.dist import DistTransport
+        from thinpipe.comm.dist_transport import DistTransport
         from thinpipe.comm.header import Expect
         from thinpipe.comm.shaped import ShapedLink
         from thinpipe.comm.tags import Activation, Gradient
-        from thinpipe.mesh import MeshLayout
+        from thinpipe.layout import MeshLayout
         rank = int(sys.argv[1])
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=rank, world_size=2)
         torch.manual_seed(0)
@@ -159,9 +159,9 @@ def test_both_transports_refuse_a_message_without_a_typed_tag():
     """A tag that is not one of comm/tags.py's types fails in the simulation as on the real mesh
     (the real transport checks before it touches torch.distributed)."""
     from thinpipe.comm import ByteMeter, Mailbox
-    from thinpipe.comm.dist import DistTransport
+    from thinpipe.comm.dist_transport import DistTransport
     from thinpipe.comm.tags import Activation
-    from thinpipe.mesh import MeshLayout
+    from thinpipe.layout import MeshLayout
 
     payload = Payload({"x": torch.zeros(2)})
     box = Mailbox(ByteMeter())

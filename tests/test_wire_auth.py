@@ -152,11 +152,11 @@ OUTSIDER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from thinpipe.boundary.base import Payload
     from thinpipe.comm import ByteMeter
-    from thinpipe.comm.dist import DistTransport
+    from thinpipe.comm.dist_transport import DistTransport
     from thinpipe.comm.header import Expect, PayloadError, encode_header
     from thinpipe.comm.rendezvous import init_gloo
     from thinpipe.comm.tags import Activation
-    from thinpipe.mesh import MeshLayout
+    from thinpipe.layout import MeshLayout
     rank, mode = int(os.environ["RANK"]), sys.argv[1]
     init_gloo(30)
     key = bytes(range(1, 33)) if rank == 0 and mode == "stranger" else bytes(range(32))
@@ -199,7 +199,7 @@ def test_a_real_rank_refuses_a_strangers_payload_and_a_replayed_one(tmp_path, mo
 GATHER = textwrap.dedent("""
     import os, torch, torch.distributed as dist
     from thinpipe.comm import ByteMeter
-    from thinpipe.comm.distgroup import DistGroup
+    from thinpipe.comm.dist_group import DistGroup
     from thinpipe.comm.header import PayloadError
     from thinpipe.comm.rendezvous import init_gloo
     rank = int(os.environ["RANK"])
@@ -226,7 +226,8 @@ def _two_processes(tmp_path, source: str, *args: str) -> list[str]:
         port = s.getsockname()[1]
     script = tmp_path / "rank.py"
     script.write_text(source)
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env={**env, "RANK": str(r)}) for r in range(2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]

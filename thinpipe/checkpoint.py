@@ -25,7 +25,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -35,6 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from thinpipe.config import ConfigError
+from thinpipe.faults import kill_in_checkpoint_write
 
 FORMAT = 1
 STEP_DIR = re.compile(r"step(\d{8})$")
@@ -79,7 +79,8 @@ def encode_tree(tree) -> tuple[object, dict[str, torch.Tensor]]:
         if isinstance(x, dict):
             if all(isinstance(k, str) and not k.startswith("__") for k in x):
                 return {k: enc(v, f"{path}/{k}") for k, v in x.items()}
-            return {"__items__": [[enc(k, f"{path}/#k{i}"), enc(v, f"{path}/{i}")] for i, (k, v) in enumerate(x.items())]}
+            return {"__items__": [[enc(k, f"{path}/#k{i}"), enc(v, f"{path}/{i}")]
+                                  for i, (k, v) in enumerate(x.items())]}
         if isinstance(x, tuple) and not hasattr(x, "_fields"):
             return {"__tuple__": [enc(v, f"{path}/{i}") for i, v in enumerate(x)]}
         if isinstance(x, list):
@@ -164,8 +165,8 @@ def _write_atomic(path: Path, write) -> None:
 def _killed_here_in_tests(folder: Path) -> None:
     """THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE=N: SIGKILL this process half-way through writing the set
     of step N (the tensors written, the tree and digests not): what a crash leaves (tests only)."""
-    at = os.environ.get("THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE")
-    if at is not None and folder.name == f"step{int(at):08d}":
+    at = kill_in_checkpoint_write()
+    if at >= 0 and folder.name == f"step{at:08d}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -216,7 +217,8 @@ def verify_part(folder: Path, part: str) -> None:
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
         if _sha256(path) != digest:
-            raise CheckpointError(f"{path} does not match its SHA-256 in {sums.name}: the file is corrupt or was edited")
+            raise CheckpointError(f"{path} does not match its SHA-256 in {sums.name}: "
+                                  "the file is corrupt or was edited")
 
 
 def verifies(folder: Path, parts: list[str]) -> bool:
@@ -240,7 +242,8 @@ def load_part(folder: Path, part: str):
         raise CheckpointError(f"{folder / f'{part}.json'} nests values thousands deep, which thinpipe never "
                               "writes: the file was edited") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "state" not in doc:
-        raise CheckpointError(f"{folder / f'{part}.json'}: checkpoint format {doc.get('format') if isinstance(doc, dict) else '?'}"
+        raise CheckpointError(f"{folder / f'{part}.json'}: checkpoint format "
+                              f"{doc.get('format') if isinstance(doc, dict) else '?'}"
                               f" is not {FORMAT}")
     try:
         return decode_tree(doc["state"], tensors)
@@ -324,7 +327,7 @@ def prune(root: Path, keep: int, parts: list[str], upto: int | None = None) -> N
     """Keep the newest ``keep`` sets whose ``parts`` verify, and any set newer than the newest of them
     (another rank may still be writing it); remove ``parts`` of the rest (older, damaged or incomplete).
     ``upto``: only sets of that step or older are considered (newer ones are kept), for a rank that
-    learns late which set all ranks completed (the anchor's, ``anchor/dist.py``)."""
+    learns late which set all ranks completed (the anchor's, ``anchor/dist_rank.py``)."""
     kept = 0
     for step, folder in sets(root):
         if upto is not None and step > upto:

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 from thinpipe.config import ConfigError
-from thinpipe.log import say
+from thinpipe.console import say
 
 
 def read_rows(path: Path, warn=say) -> list[dict]:

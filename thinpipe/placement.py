@@ -1,5 +1,5 @@
 """Where a rank computes, and in which precision: the one place that resolves ``train.device`` and
-``train.dtype`` and moves a batch (issue 15).
+``train.dtype`` and moves a batch (docs/gpu.md).
 
 Placement rules (docs/gpu.md):
   ``cpu``            every stage on the CPU (the path every test runs; bitwise what it always was).

@@ -20,8 +20,8 @@ import torch
 from thinpipe.boundary import MaskBoundary
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.data import batches, build_dataset
-from thinpipe.engine.context import make_contexts
 from thinpipe.models import build_stages, load_model
+from thinpipe.rank.context import make_contexts
 
 
 @torch.no_grad()

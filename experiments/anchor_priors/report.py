@@ -8,16 +8,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: arms.py
 import matplotlib.pyplot as plt  # noqa: E402
-
+from arms import save_figure  # noqa: E402
 from run import SUITES, arm_dir  # noqa: E402
-
-from arms import save_figure  # noqa: E402  (run.py put experiments/ on the path)
 
 
 def load_arm(folder: Path) -> dict | None:

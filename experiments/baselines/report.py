@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: arms.py
 import matplotlib.pyplot as plt  # noqa: E402
-
+from arms import load_results, save_figure  # noqa: E402
 from run import GENERATIVE_MODELS, KEEP_CHECKPOINT, SUITES, arm_dir, generative_dir  # noqa: E402
-
-from arms import load_results, save_figure  # noqa: E402  (run.py put experiments/ on the path)
 
 
 def suite_table(name: str, results: dict[str, dict]) -> str:
@@ -28,7 +28,8 @@ def suite_table(name: str, results: dict[str, dict]) -> str:
         b = s["bytes_per_token"]
         best_step, best = min(s["val_points"], key=lambda p: p[1])
         rel = f"{(best / min(p[1] for p in dense['val_points']) - 1) * 100:+.2f}%" if dense else "-"
-        comp = (f"{dense['bytes_per_token']['pp_fwd'] / b['pp_fwd']:.1f}x / {dense['bytes_per_token']['pp_bwd'] / b['pp_bwd']:.1f}x"
+        comp = (f"{dense['bytes_per_token']['pp_fwd'] / b['pp_fwd']:.1f}x / "
+                f"{dense['bytes_per_token']['pp_bwd'] / b['pp_bwd']:.1f}x"
                 if dense and b["pp_fwd"] and b["pp_bwd"] else "-")
         lines.append(f"| {arm} | {best:.4f} ({best_step}) | {rel} | {s['final_val_loss']:.4f} | {b['pp_fwd']:.0f} | "
                      f"{b['pp_bwd']:.0f} | {comp} | "
@@ -61,7 +62,8 @@ def prune_table(out: Path) -> tuple[str, dict]:
         " | ".join(f"{n} {k}" for n in curves for k in keys) + " |"
     lines = ["### pruning (global magnitude, decoder matrices)", "", head, "|" + "---|" * (head.count("|") - 1)]
     for i, row in enumerate(next(iter(curves.values()))):
-        cells = [f"{curves[n][i]['val_loss']:.4f}" for n in curves] + [f"{curves[n][i][k]:.3f}" for n in curves for k in keys]
+        cells = ([f"{curves[n][i]['val_loss']:.4f}" for n in curves]
+                 + [f"{curves[n][i][k]:.3f}" for n in curves for k in keys])
         lines.append(f"| {row['sparsity']:.1f} | " + " | ".join(cells) + " |")
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for n, rows in curves.items():

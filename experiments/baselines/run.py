@@ -65,7 +65,8 @@ def prune(out: Path, tasks: str, limit: int) -> None:
             print(f"[skip] prune {name}: done already", flush=True)
             continue
         if not (run / "checkpoint" / "state.pt").is_file():
-            raise SystemExit(f"prune: {run} has no checkpoint; run --suite table4 first (it keeps {sorted(KEEP_CHECKPOINT)})")
+            raise SystemExit(f"prune: {run} has no checkpoint; run --suite table4 first "
+                             f"(it keeps {sorted(KEEP_CHECKPOINT)})")
         cmd = [sys.executable, "-m", "thinpipe", "prune", "--run", str(run), "--sparsity", PRUNE_SPARSITIES]
         if tasks:
             cmd += ["--tasks", tasks, "--limit", str(limit)]

@@ -24,7 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from thinpipe.config import Config, apply_overrides  # noqa: E402
-from thinpipe.engine.run import train  # noqa: E402
+from thinpipe.engine.sim_engine import train  # noqa: E402
 
 BASE = {"model.name": "tiny-llama", "data.name": "math", "mesh.pp": 2, "mesh.dp": 4, "train.batch_size": 4,
         "train.seq_len": 128, "train.lr": 3e-3, "train.warmup_ratio": 0.05, "train.grad_clip": 1.0,
@@ -82,7 +82,8 @@ def main() -> None:
     for r in rows:
         red = f"{r['dp_reduction']:.0f}x" if r["dp_reduction"] else "-"
         lines.append(f"| {r['arm']} | {r['val_loss']:.4f} | {r['dp_bytes_per_token']:.0f} | {red} | "
-                     f"{r['pp_bytes_per_token']:.0f} | {r['anchor_bytes_per_token']:.0f} | {r['total_bytes_per_token']:.0f} |")
+                     f"{r['pp_bytes_per_token']:.0f} | {r['anchor_bytes_per_token']:.0f} | "
+                     f"{r['total_bytes_per_token']:.0f} |")
     table = "\n".join(lines)
     print(table)
     (out / "report.md").write_text(table + "\n")

@@ -56,8 +56,9 @@ def job(out: Path, args, kill: str | None) -> dict:
         _, d = sets(f / "checkpoint")[0]
         weights.append([load_part(d, f"rank{r}")["rank"]["stage"] for r in range(2)])
     same = all(torch.equal(w[r][k], weights[0][r][k]) for w in weights for r in range(2) for k in w[r])
-    return {"completed": s["replicas_finished"] == 3, "job_wall_s": round(wall, 1), "final_val_loss": s["final_val_loss"],
-            "steps_redone": s["steps_redone"], "replica_steps_missed": s["replica_steps_missed"],
+    return {"completed": s["replicas_finished"] == 3, "job_wall_s": round(wall, 1),
+            "final_val_loss": s["final_val_loss"], "steps_redone": s["steps_redone"],
+            "replica_steps_missed": s["replica_steps_missed"],
             "rejoins": s["rejoins"], "restarts": s["restarts"], "tokens": s["tokens"],
             "weights_equal_across_replicas": same, "quorum_changes": s["quorum_changes"]}
 

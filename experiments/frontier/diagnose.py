@@ -1,4 +1,4 @@
-"""Issue 26, item 3: what the frontier's boundaries carry, measured before new codecs are designed.
+"""What the frontier's boundaries carry, measured before new codecs are designed (README.md: diagnosis).
 
 On the frontier recipe's model and data (SmolLM2-135M, 4 stages, MATH held-out rows, 4 x 128 tokens
 per batch) at the pretrained weights, a dense forward-backward of the simulated mesh records, at every
@@ -32,8 +32,8 @@ from thinpipe.boundary.lloyd_max import dequantize_rms, quantize_rms
 from thinpipe.boundary.quant import dequantize, quantize
 from thinpipe.boundary.tahquant import code_entropy, hadamard
 from thinpipe.config import Config, apply_overrides
-from thinpipe.engine.setup import build_data, load, place, residual_batches, val_batches
-from thinpipe.engine.sim import SimMesh
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.rank.from_config import build_data, load, place, residual_batches, val_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from anchor_priors.run import BASE  # noqa: E402  (the frontier recipe)

@@ -1,4 +1,4 @@
-"""The frontier table (issues 17 and 26): held-out loss against PP bytes, both accountings, paired seeds.
+"""The frontier table (README.md): held-out loss against PP bytes, both accountings, paired seeds.
 
 Runs: this suite's (experiments/frontier/results, one folder per arm x seed x steps; run.py) and the
 committed runs of the same recipe in experiments/anchor_priors and experiments/mapl (older code,
@@ -13,7 +13,7 @@ Accounting: ``pp_bytes_per_token`` is what the meter counted on the fp32 wire th
 the formula against the meter on both wires): values halve, codes and their bf16 scales do not. The
 headline ratio is against the bf16 Dense wire (6,912 B/token); fp32 figures are the second column.
 
-Statistics: the held-out rows do not depend on ``train.seed`` (issue 26), so a run's gap is its final
+Statistics: the held-out rows do not depend on ``train.seed`` (thinpipe/data/loader.py), so a run's gap is its final
 held-out loss over Dense's of the same seed and steps, minus 1; "within 1%" means the mean paired gap
 over seeds 0, 1, 2 is <= +1.0% and no seed's is above +1.5%. Runs made before the split was fixed
 (results/old_split) are listed with ``split = "old"`` and enter no verdict; seed-0 runs were on the
@@ -43,7 +43,7 @@ OLD_ARMS = {"Dense", "M90", "M95", "TopK95", "M90pAP", "M95pAP", "M95_norescale"
             "MAPL_r28_pca", "MAPL_r28_random"}
 HIDDEN, BOUNDARIES, MICROBATCH_TOKENS = 576, 3, 256  # SmolLM2-135M, 4 stages, 2 x 128 tokens per microbatch
 DENSE_BF16 = HIDDEN * 2 * 2 * BOUNDARIES          # 6,912 B/token
-GOAL_B, MILESTONE_B = 345, 691  # issue 26: 1/20 and 1/10 of the bf16 Dense wire (345.6, 691.2), rounded down
+GOAL_B, MILESTONE_B = 345, 691  # goal / milestone: 1/20 and 1/10 of the bf16 Dense wire (345.6, 691.2), rounded down
 WITHIN, WORST_SEED, SEEDS = 0.01, 0.015, (0, 1, 2)
 SETTING_KEYS = ("p", "fwd_bits", "bwd_bits", "outlier_channels", "outlier_grid", "outlier_bwd_tokens",
                 "outlier_fwd_bits", "compress", "rank")

@@ -1,4 +1,4 @@
-"""Issue 17/26's frontier: held-out loss against PP bytes on the anchor-priors recipe, on paired seeds.
+"""The frontier: held-out loss against PP bytes on the anchor-priors recipe, on paired seeds (README.md).
 
 Recipe: experiments/anchor_priors (SmolLM2-135M, 4 stages, MATH, 4 x 128 tokens per step, 100 steps,
 lr 1e-4, held-out loss every 20 steps on 32 MATH-500 rows), so that its committed arms (Dense, M90,
@@ -54,14 +54,16 @@ ARMS = {
     "2-bit Quant": {"boundary.kind": "quant2"},
     "TAH-Quant 2-8": {"boundary.kind": "tahquant"},
     "TopK90": {"boundary.kind": "topk", "boundary.p": 0.9},          # top-K's second ratio (TopK95 is committed)
-    "MAPL r58 pca": {"boundary.kind": "mapl", "boundary.rank": 58, "boundary.init": "pca", "diag.every": 0},  # ~10x; r28 is committed
+    # ~10x; r28 is committed
+    "MAPL r58 pca": {"boundary.kind": "mapl", "boundary.rank": 58, "boundary.init": "pca", "diag.every": 0},
     # 3b-1b ended +1.08% at 10.9x: the forward's bytes on bits instead of scales and fp32 channels
     "Outlier 4b-1b tok": outlier(4, 1, per_token=True),
     "Outlier 3b-1b tok": outlier(3, 1, per_token=True),
-    # issue 26: the forward/backward split of the best arm's loss (the other direction dense)
+    # the forward/backward split of the best arm's loss (the other direction dense; README: "Forward or backward?")
     "Outlier 4b-1b tok fwd only": outlier(4, 1, per_token=True, compress="fwd"),
     "Outlier 4b-1b tok bwd only": outlier(4, 1, per_token=True, compress="bwd"),
-    # issue 26's codecs: Lloyd-Max grid (LM), per-token backward scales, token-sparse backward (T = kept share)
+    # the new codecs (README: "New codecs"): Lloyd-Max grid (LM), per-token backward scales,
+    # token-sparse backward (T = kept share)
     "LM 4b-1b tok": lm(4, 1),
     "LM 3b-1b tok": lm(3, 1),
     "LM 2b-1b tok": lm(2, 1),

@@ -1,8 +1,8 @@
-"""Issue 26: the probe's screen of candidate settings on the frontier recipe, before any is trained.
+"""The probe's screen of candidate settings on the frontier recipe, before any is trained.
 
 ``thinpipe probe``'s measurement (forward damage at the pretrained weights, the gradient's cosine with
 the clean one, metered bytes) over the outlier settings that could reach the milestone (<= 691
-B/token) or the goal (<= 345), next to the best trained arm of issue 17 (``Outlier 4b-1b tok``).
+B/token) or the goal (<= 345), next to the best trained arm before the new codecs (``Outlier 4b-1b tok``; README.md).
 
     .venv/bin/python experiments/frontier/screen.py [--batches 2]   # -> results/screen.json
 """
@@ -14,8 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from thinpipe.commands.probe_lib import format_table, probe
 from thinpipe.config import Config, apply_overrides
-from thinpipe.probe import format_table, probe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ARMS, FRONTIER_BASE  # noqa: E402

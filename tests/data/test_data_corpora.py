@@ -9,9 +9,9 @@ import os
 
 import pytest
 
+from tests.helpers import skip_or_fail
 from thinpipe.data import CORPORA, cache_dir, load_examples
 from thinpipe.data.fetch import fetch_wheel
-from tests.helpers import skip_or_fail
 
 COUNTS = {"math": (4500, 500), "medical": (4183, 1273), "synthetic": (29000, 1000)}
 
@@ -40,7 +40,10 @@ def test_counts_fields_and_disjoint_splits(name):
         assert ex["prompt"].strip() and ex["response"].strip()
     ids = [ex["id"] for ex in train + val]
     assert len(set(ids)) == len(ids)
-    norm = lambda s: " ".join(s.split())
+
+    def norm(s):
+        return " ".join(s.split())
+
     assert not {norm(e["prompt"]) for e in train} & {norm(e["prompt"]) for e in val}
     assert load_examples(name, "train") == train  # deterministic (and, for wheels, from cache)
 

@@ -17,8 +17,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from chat_families import FAMILIES, tokenizer  # noqa: E402
 
 from thinpipe.config import ConfigError  # noqa: E402
-from thinpipe.data import ByteTokenizer, build_dataset, resolve_chat_format, tokenize_chat, tokenize_messages  # noqa: E402
-from thinpipe.data import user_data  # noqa: E402
+from thinpipe.data import (  # noqa: E402
+    ByteTokenizer,
+    build_dataset,
+    resolve_chat_format,
+    tokenize_chat,
+    tokenize_messages,
+    user_data,  # noqa: E402
+)
 from thinpipe.data.packing import IGNORE_INDEX  # noqa: E402
 from thinpipe.data.rows import DataError, read_rows  # noqa: E402
 
@@ -184,8 +190,9 @@ def test_held_out_fraction_is_seeded_disjoint_and_complete(tmp_path):
                    for i in range(200))
     again = build_dataset(path, tok, 64, "val", 0, val_fraction=0.2)
     assert torch.equal(again.input_ids, va.input_ids)
-    other = build_dataset(path, tok, 64, "val", 1, val_fraction=0.2)  # another train.seed: the same held-out rows,
-    assert torch.equal(other.input_ids, va.input_ids)                  # in the same order (data.val_rows takes a prefix)
+    # another train.seed: the same held-out rows, in the same order (data.val_rows takes a prefix)
+    other = build_dataset(path, tok, 64, "val", 1, val_fraction=0.2)
+    assert torch.equal(other.input_ids, va.input_ids)
     vfile = str(_write_jsonl(tmp_path / "v.jsonl", rows[:5]))
     assert build_dataset(path, tok, 64, "val", 0, val_name=vfile).stats["num_packed"] == 5
     assert build_dataset(path, tok, 64, "train", 0, val_name=vfile).stats["num_packed"] == 200

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
+from tests.helpers import skip_or_fail
 from thinpipe.data import IGNORE_INDEX, ByteTokenizer, build_dataset, position_ids_from_segments
 from thinpipe.data.packing import best_fit_decreasing, pack
-from tests.helpers import skip_or_fail
 
 
 def _reference_bfd(lengths, capacity):
@@ -73,7 +73,7 @@ def _check_packed(ds, examples, pad_id):
             seen.append(key)
         tail = [i for i, s in zip(ids, segs) if s == -1]
         assert all(i == pad_id for i in tail)
-        assert all(l == IGNORE_INDEX for l, s in zip(labels, segs) if s == -1)
+        assert all(label == IGNORE_INDEX for label, s in zip(labels, segs) if s == -1)
     return seen
 
 

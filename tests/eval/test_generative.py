@@ -5,13 +5,20 @@ import os
 import time
 
 import pytest
-import torch
 
-from thinpipe.eval import WheelUnavailable, logits_fn_from_model
-from thinpipe.eval.generative import (gsm8k_correct, gsm8k_extract, greedy_generate, humaneval_program,
-                                      load_generative, logits_generate, mbpp_program, truncate_at_stop)
-from thinpipe.eval.sandbox import SandboxUnavailable, run_sandboxed
 from tests.helpers import skip_or_fail, tiny_model
+from thinpipe.eval import WheelUnavailable, logits_fn_from_model
+from thinpipe.eval.generative import (
+    greedy_generate,
+    gsm8k_correct,
+    gsm8k_extract,
+    humaneval_program,
+    load_generative,
+    logits_generate,
+    mbpp_program,
+    truncate_at_stop,
+)
+from thinpipe.eval.sandbox import SandboxUnavailable, run_sandboxed
 
 
 def sandboxed(code, **kw):

@@ -5,7 +5,7 @@ import torch
 
 from thinpipe.eval import encode_pair, logits_fn_from_model, score_requests
 
-from ._fakes import V, CharTokenizer
+from ._fakes import CharTokenizer, V
 
 TOK = CharTokenizer()
 

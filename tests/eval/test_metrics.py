@@ -8,7 +8,7 @@ import torch
 from thinpipe.eval import MCItem, evaluate_mc, item_predictions, mc_metrics, norm_length, score_items
 from thinpipe.eval import multiple_choice as mc_mod
 
-from ._fakes import V, CharTokenizer, constant_logits_fn
+from ._fakes import CharTokenizer, V, constant_logits_fn
 
 # Every position predicts the same distribution: 'x' and ' x' are likely, all else unlikely.
 W = torch.zeros(V)

@@ -2,9 +2,9 @@
 
 import pytest
 
+from tests.helpers import skip_or_fail
 from thinpipe.eval import TASKS, WheelUnavailable, load_task
 from thinpipe.eval.tasks import hellaswag_preprocess
-from tests.helpers import skip_or_fail
 
 EXPECTED_COUNTS = {
     "arc_easy": 2376,
@@ -29,7 +29,8 @@ _MEDQA_Q = (
 # item 0 of each task: (contexts, continuations, gold), exactly as documented in docs/eval.md
 SNAPSHOTS = {
     "arc_easy": (
-        ["Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"] * 4,
+        ["Question: Which statement best explains why photosynthesis is the foundation of most food webs?"
+         "\nAnswer:"] * 4,
         [" Sunlight is the source of energy for nearly all ecosystems.",
          " Most ecosystems are found on land instead of in water.",
          " Carbon dioxide is more available than other gases.",

@@ -1,6 +1,13 @@
 """Boundary analyses of MAPL §3.1, §3.4 and App. D: spectra, angles, energy, isometry, stable rank."""
 
-from thinpipe.analysis.subspace import (captured_energy, cosine_preservation, cumulative_energy, energy_vs_fixed,
-                                        principal_angle_deg, stable_rank)
+from thinpipe.analysis.subspace import (
+    captured_energy,
+    cosine_preservation,
+    cumulative_energy,
+    energy_vs_fixed,
+    principal_angle_deg,
+    stable_rank,
+)
 
-__all__ = ["captured_energy", "cosine_preservation", "cumulative_energy", "principal_angle_deg", "stable_rank"]
+__all__ = ["captured_energy", "cosine_preservation", "cumulative_energy", "energy_vs_fixed", "principal_angle_deg",
+           "stable_rank"]

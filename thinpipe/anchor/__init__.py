@@ -1,5 +1,5 @@
 """The anchor circuit: unmasked passes on stale weights, delivered as anchor priors (paper §3.2, App. H)."""
 
-from thinpipe.anchor.sim import AnchorPrior, SimAnchorCircuit
+from thinpipe.anchor.sim_circuit import AnchorPrior, SimAnchorCircuit
 
 __all__ = ["AnchorPrior", "SimAnchorCircuit"]

@@ -5,10 +5,11 @@ sends and the values a fast replica receives are the same bits (paper §3: the a
 pushes its gradient; App. H.1 sizes both). Everything crosses in the wire dtype (``boundary.dtype``
 or the training dtype): a bf16 wire rounds the pulled weights and the pushed gradient.
 
-A compressed push (``anchor.push_rank`` = r) sends what PowerSGD sends (DESIGN.md: reuse the DP
-code): per compressible matrix the product P = M Q (before orthonormalisation) and Q' = M^T P_hat,
-uncompressible tensors dense. The receiver rebuilds M = orth(P) Q'^T with the same functions, so
-both ends agree bitwise; the error feedback stays on the anchor side.
+A compressed push (``anchor.push_rank`` = r) sends what PowerSGD sends (the DP
+compressor's code, ``dp/powersgd.py``): per compressible matrix the product P = M Q (before
+orthonormalisation) and Q' = M^T P_hat, uncompressible tensors dense. The receiver rebuilds
+M = orth(P) Q'^T with the same functions, so both ends agree bitwise; the error feedback stays on
+the anchor side.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def encode_push(grads: dict[str, torch.Tensor], state: PowerSGDState | None,
 
 
 @torch.no_grad()
-def decode_push(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor], push_rank: int) -> dict[str, torch.Tensor]:
+def decode_push(tensors: dict[str, torch.Tensor], like: dict[str, torch.Tensor],
+                push_rank: int) -> dict[str, torch.Tensor]:
     """The gradient a fast replica applies, rebuilt from the push; ``like`` gives names, shapes, dtypes."""
     plan = factorized({n: tuple(t.shape) for n, t in like.items()}, PowerSGDState(rank=push_rank, start_step=0)) \
         if push_rank else {}

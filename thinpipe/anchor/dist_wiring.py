@@ -8,24 +8,24 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.anchor.dist import AnchorFeed, AnchorStageRank
+from thinpipe.anchor.dist_rank import AnchorFeed, AnchorStageRank
 from thinpipe.boundary import Boundary
 from thinpipe.comm import ByteMeter
-from thinpipe.comm.dist import DistTransport, job_wire
-from thinpipe.comm.distgroup import DistGroup
+from thinpipe.comm.dist_group import DistGroup
+from thinpipe.comm.dist_transport import DistTransport, job_wire
 from thinpipe.comm.groups import ProcessGroups
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config
 from thinpipe.config.env import dist_timeout_s
-from thinpipe.engine.setup import anchor_batches
-from thinpipe.engine.worker import StageWorker
 from thinpipe.placement import device_of
+from thinpipe.rank.from_config import anchor_batches
+from thinpipe.rank.worker import StageWorker
 
 
 def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
                       device: torch.device, wire: dict):
     """(pull, push) transports of ``stage``'s anchor links; the pull side sends in the background.
-    ``wire``: the job key and ``wire.encrypt`` (``comm/dist.py: job_wire``)."""
+    ``wire``: the job key and ``wire.encrypt`` (``comm/dist_transport.py: job_wire``)."""
     pull = DistTransport(layout, me, meter, links.anchor, group=groups.pull[stage], background=True, device=device,
                          label="anchor-pull", **wire)
     push = DistTransport(layout, me, meter, links.anchor, group=groups.push[stage], device=device,

@@ -19,8 +19,8 @@ from thinpipe.config import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 __all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
-           "OutlierBoundary", "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary", "TopKBoundary",
-           "build_boundaries", "kept_dims"]
+           "OutlierBoundary", "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary",
+           "TopKBoundary", "build_boundaries", "kept_dims"]
 
 
 def _mask(cfg, b, hidden, seed, wire_dtype, model, shared):
@@ -103,5 +103,6 @@ def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dty
             try:
                 out.append(builders[cfg.kind](cfg, b, hidden_size, seed, wire_dtype, model, shared))
             except ValueError as e:  # a setting that does not fit the model (known only once it is loaded)
-                raise ConfigError(f"boundary.kind = {cfg.kind} on this model (hidden size {hidden_size}): {e}") from None
+                raise ConfigError(f"boundary.kind = {cfg.kind} on this model (hidden size {hidden_size}): "
+                                  f"{e}") from None
     return out

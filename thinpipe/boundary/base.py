@@ -1,4 +1,4 @@
-"""The PP boundary protocol (DESIGN.md property 3), written once for every compressor.
+"""The PP boundary protocol (docs/architecture.md: the boundary contract), written once for every compressor.
 
 A boundary sits between stage s (sender) and stage s+1 (receiver)::
 
@@ -69,7 +69,7 @@ class Boundary(nn.Module):
     def encode_grad(self, g: torch.Tensor, ctx) -> Payload:
         return Payload({"g": self._to_wire(g)})
 
-    # boundary parameters (DESIGN.md property 3): none here -------------------------------------
+    # boundary parameters (docs/architecture.md: shared parameters): none here --------------------
     has_shared_params = False  # True: one end owns parameters the other end computes with (synced per step)
 
     def attach(self, sender, receiver) -> None:
@@ -156,7 +156,7 @@ class StageState:
 
     The rank calls ``before_step`` before its forward, ``after_step`` after its optimizer step on a
     step without a refresh, and on a step where ``refresh_due``, the refresh phase
-    (``engine/rank.py: StageRank.refresh``): every stage's ``contribution`` is summed up the
+    (``rank/stage_rank.py: StageRank.refresh``): every stage's ``contribution`` is summed up the
     pipeline (``combine``: later stages' sum, then this stage's), stage 0 averages it over the DP
     replicas and computes the new state (``update``), which travels back down; every stage
     ``apply``s it. Every message is a real payload on ``pp_params``. The object may be shared by

@@ -18,7 +18,8 @@ def sender_forward(boundary: Boundary, x: torch.Tensor, ctx) -> tuple[torch.Tens
     return boundary.encode(x, ctx)
 
 
-def receiver_forward(boundary: Boundary, payload: Payload, ctx, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def receiver_forward(boundary: Boundary, payload: Payload, ctx,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Receiver: returns (z_hat leaf whose .grad is sent back, x_hat to feed the stage)."""
     z_hat = boundary.decode(payload, ctx)
     if z_hat.is_floating_point():

@@ -1,5 +1,5 @@
-"""The Lloyd-Max grid: b-bit codes of a unit Gaussian, scaled per group by its RMS (issue 26; not in
-either paper).
+"""The Lloyd-Max grid: b-bit codes of a unit Gaussian, scaled per group by its RMS (not in either
+paper; measured in experiments/frontier/README.md).
 
 Why: after the Hadamard rotation a token's activation (outliers removed) or activation gradient is
 close to Gaussian, and a min/max-scaled uniform grid (quant.py) wastes its levels at 1-2 bits: its

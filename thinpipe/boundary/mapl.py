@@ -13,12 +13,13 @@ Boundary p between stage p (sender) and stage p+1 (receiver)::
 calls this per-stage offset the stage "anchor"; here it is the *offset*, so that "anchor" means
 only the anchor circuit (``thinpipe/anchor/``).
 
-Ownership (DESIGN.md property 3): A_p belongs to the sender stage (it is registered there, so its
-optimizer, DP sync and checkpoint are the sender's); the receiver computes with a copy. After each
-backward the receiver returns its gradient contribution dL/dA_p (d x r fp32) and after each
-optimizer step the owner sends the new A_p (d x r fp32): both on the ``pp_params`` axis. Each
-stage's offset lives on that stage, used on its input (receiver side) and output (sender side), so
-it is never sent. The boundary is part of the model (``architectural``): evaluation runs through it.
+Ownership (docs/architecture.md: the boundary contract): A_p belongs to the sender stage (it is
+registered there, so its optimizer, DP sync and checkpoint are the sender's); the receiver computes
+with a copy. After each backward the receiver returns its gradient contribution dL/dA_p (d x r
+fp32) and after each optimizer step the owner sends the new A_p (d x r fp32): both on the
+``pp_params`` axis. Each stage's offset lives on that stage, used on its input (receiver side) and
+output (sender side), so it is never sent. The boundary is part of the model (``architectural``):
+evaluation runs through it.
 """
 
 from __future__ import annotations

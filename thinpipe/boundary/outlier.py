@@ -1,5 +1,5 @@
 """``outlier``: calibrated outlier channels sent intact, the rest Hadamard-rotated and quantised
-(issue 17's frontier; not in either paper).
+(not in either paper; measured in experiments/frontier/README.md).
 
 Why: a pretrained model's residual stream has a few massive-activation channels, large for every
 token (SmolLM2: ``experiments/anchor_priors/forward_damage.py``). They dominate a token's range, so
@@ -15,13 +15,13 @@ back (H/sqrt(G) is its own inverse) and writes the intact channels over their po
 Backward: the activation gradient has no calibrated channels; it is rotated and quantised per
 tile at ``bwd_bits`` in the same way.
 
-Two byte savers for the forward (issue 17's frontier): ``outlier_scale_group`` = S dims share one
-offset and step (S a multiple of G dividing H; S = H, or -1, is one pair per token: 36 -> 4 B per
-token at H = 576, G = 64), and ``outlier_dtype = bfloat16`` sends the intact channels in bf16 whatever the
-wire (fp32 wire: 64 -> 32 B at C = 16). The backward keeps one pair per tile by default: min/max
+Two byte savers for the forward: ``outlier_scale_group`` = S dims share one offset and step (S a
+multiple of G dividing H; S = H, or -1, is one pair per token: 36 -> 4 B per token at H = 576,
+G = 64), and ``outlier_dtype = bfloat16`` sends the intact channels in bf16 whatever the wire (fp32
+wire: 64 -> 32 B at C = 16). The backward keeps one pair per tile by default: min/max
 1-bit codes need the tile's own range.
 
-Issue 26's settings (each measured in experiments/frontier/README.md):
+Further settings (each measured in experiments/frontier/README.md, "New codecs"):
 
 - ``grid = "lloyd-max"``: the rotated values are close to Gaussian (excess kurtosis ~0 on SmolLM2's
   boundaries, ``experiments/frontier/diagnose.py``), so the Lloyd-Max levels of N(0, 1) scaled by each
@@ -49,10 +49,18 @@ import torch
 from thinpipe.boundary.base import Boundary, Payload
 from thinpipe.boundary.lloyd_max import RMS_SCALE_BYTES, dequantize_rms, quantize_rms
 from thinpipe.boundary.lloyd_max import SCALE_DTYPE as RMS_SCALE_DTYPE
-from thinpipe.boundary.quant import SCALE_BYTES, SCALE_DTYPE, QuantBoundary, dequantize, pack_bits, packed_bytes, \
-    quantize, unpack_bits
-from thinpipe.comm.header import Expect, PayloadError
+from thinpipe.boundary.quant import (
+    SCALE_BYTES,
+    SCALE_DTYPE,
+    QuantBoundary,
+    dequantize,
+    pack_bits,
+    packed_bytes,
+    quantize,
+    unpack_bits,
+)
 from thinpipe.boundary.tahquant import hadamard
+from thinpipe.comm.header import Expect, PayloadError
 
 GRIDS = ("minmax", "lloyd-max")
 
@@ -104,7 +112,8 @@ class OutlierBoundary(QuantBoundary):
     @torch.no_grad()
     def load_init(self, payload: Payload) -> None:
         ch = payload.tensors["channels"]
-        if ch.shape != self.channels.shape or ch.dtype != torch.int64 or bool(((ch < 0) | (ch >= self.hidden_size)).any()):
+        if (ch.shape != self.channels.shape or ch.dtype != torch.int64
+                or bool(((ch < 0) | (ch >= self.hidden_size)).any())):
             raise ValueError(f"boundary {self.index}: outlier channels {ch.tolist()} do not fit this boundary")
         self.channels.copy_(ch.to(self.channels.device))
 

@@ -48,7 +48,8 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
         codes = (packed[:, None] >> shifts) & (2 ** bits - 1)
         return codes.reshape(-1)[:count].to(torch.int64)
-    planes = ((packed.to(torch.int32)[:, None] >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)
+    planes = ((packed.to(torch.int32)[:, None]
+               >> torch.arange(8, dtype=torch.int32, device=packed.device)) & 1).reshape(-1)
     planes = planes[:count * bits].reshape(count, bits)
     return (planes << torch.arange(bits, dtype=torch.int32, device=packed.device)).sum(1).to(torch.int64)
 

@@ -26,8 +26,15 @@ import math
 import torch
 
 from thinpipe.boundary.base import Payload
-from thinpipe.boundary.quant import SCALE_BYTES, QuantBoundary, dequantize, pack_bits, packed_bytes, quantize, \
-    unpack_bits
+from thinpipe.boundary.quant import (
+    SCALE_BYTES,
+    QuantBoundary,
+    dequantize,
+    pack_bits,
+    packed_bytes,
+    quantize,
+    unpack_bits,
+)
 
 HIGH_BIT = 128
 
@@ -49,7 +56,8 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
 
 def code_entropy(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Shannon entropy (bits) of each row's code histogram."""
-    counts = torch.zeros(codes.shape[0], 2 ** bits, device=codes.device).scatter_add_(1, codes, torch.ones_like(codes, dtype=torch.float))
+    counts = torch.zeros(codes.shape[0], 2 ** bits, device=codes.device).scatter_add_(
+        1, codes, torch.ones_like(codes, dtype=torch.float))
     p = counts / codes.shape[1]
     return -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
 
@@ -61,7 +69,8 @@ class TahQuantBoundary(QuantBoundary):
                  high_fraction: float, outlier_ratio: float, wire_dtype: torch.dtype | None = None):
         super().__init__(index, hidden_size, fwd_bits, bwd_bits, group, wire_dtype)
         if self.group & (self.group - 1) or self.group > 64:
-            raise ValueError(f"tahquant tiles must be a power of two <= 64 dims (boundary.quant_group), got {self.group}")
+            raise ValueError("tahquant tiles must be a power of two <= 64 dims (boundary.quant_group), "
+                             f"got {self.group}")
         if fwd_bits >= 8:
             raise ValueError(f"tahquant forward bits must be < 8 (outlier tiles get one more), got {fwd_bits}")
         self.high_fraction, self.outlier_ratio = high_fraction, outlier_ratio

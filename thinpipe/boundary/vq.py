@@ -46,7 +46,8 @@ def rvq_decode(codes: torch.Tensor, codebooks: torch.Tensor) -> torch.Tensor:
     """codes (N, R, G) -> (N, G, g): the sum over rounds of the chosen codes."""
     R, G, K, g = codebooks.shape
     flat = codebooks.reshape(R * G, K, g)
-    rows = (torch.arange(R, device=codes.device)[:, None] * G + torch.arange(G, device=codes.device)[None, :]).reshape(-1)   # (R*G,)
+    rows = (torch.arange(R, device=codes.device)[:, None] * G
+            + torch.arange(G, device=codes.device)[None, :]).reshape(-1)   # (R*G,)
     picked = flat[rows[None, :], codes.reshape(codes.shape[0], -1).long()]         # (N, R*G, g)
     return picked.reshape(codes.shape[0], R, G, g).sum(1)
 

@@ -1,4 +1,4 @@
-"""The narrow communication interface algorithms talk to (never torch.distributed directly)."""
+"""The narrow communication interface algorithms talk to (never torch.distributed directly): ``protocols.py``."""
 
 from thinpipe.comm.inprocess import InProcessGroup, LocalGroup, Mailbox, Work, drive_lockstep
 from thinpipe.comm.meter import AXES, ByteMeter

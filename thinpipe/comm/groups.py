@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from thinpipe.mesh import MeshLayout
+from thinpipe.layout import MeshLayout
 
 # Anchor links wait as long as an anchor cycle may take, not the fast circuit's collective timeout.
 ANCHOR_TIMEOUT_S = 24 * 3600

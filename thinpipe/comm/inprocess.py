@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.comm import protocols
 from thinpipe.comm.header import Expect, PayloadError, spec_of
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import Tag, check_tag
-from thinpipe.comm.meter import ByteMeter
 
 
-class Work:
+class Work(protocols.Work):
+    """An in-process collective's ``Work``: complete once the last member has posted."""
+
     def __init__(self) -> None:
         self._done = False
 
@@ -28,7 +31,7 @@ class Work:
             raise RuntimeError("in-process collective waited on before every member posted (schedule bug)")
 
 
-class LocalGroup:
+class LocalGroup(protocols.Group):
     """A group of one: collectives are the identity (used to run group algorithms on one worker)."""
 
     size = 1
@@ -43,7 +46,7 @@ class LocalGroup:
         return self.all_reduce(rank, tensor), [tensor]
 
 
-class InProcessGroup:
+class InProcessGroup(protocols.Group):
     """``axis`` None: a control group (e.g. gradient norms for clipping) whose few bytes are not metered."""
 
     def __init__(self, size: int, meter: ByteMeter, axis: str | None):
@@ -96,7 +99,7 @@ class InProcessGroup:
         return work, out
 
 
-class Mailbox:
+class Mailbox(protocols.Transport):
     """Point-to-point payload delivery between stages, metered on the given axis."""
 
     def __init__(self, meter: ByteMeter):

@@ -10,7 +10,7 @@ the survivors average over themselves (docs/elastic.md).
 
 A collective that fails (a peer died mid-way, a timeout) does not raise: torchft records the error,
 the step's ``should_commit`` is False on every rank of the replica, and the engine rolls the step
-back (``engine/elastic.py``). Bytes are metered with ``DistGroup``'s ring formulas over the members
+back (``engine/elastic_rank.py``). Bytes are metered with ``DistGroup``'s ring formulas over the members
 present.
 """
 
@@ -20,9 +20,11 @@ import torch
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import AllgatherOptions
 
-from thinpipe.comm.distgroup import DistGroup, _Done
+from thinpipe.comm.dist_group import DistGroup
 from thinpipe.comm.meter import ByteMeter
+from thinpipe.comm.protocols import Work
 from thinpipe.comm.staging import to_device, to_host
+from thinpipe.comm.work import DONE
 
 
 class ManagedGroup(DistGroup):
@@ -39,17 +41,18 @@ class ManagedGroup(DistGroup):
         """Replicas in the current quorum (valid once the step's quorum is formed)."""
         return max(1, self.manager.num_participants())
 
-    def _post_sum(self, host: torch.Tensor):
+    def _post_sum(self, host: torch.Tensor) -> Work:
         return self.manager.allreduce(host, reduce_op=ReduceOp.SUM)
 
-    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None):
+    def all_gather(self, rank: int, tensor: torch.Tensor, max_numel: int | None = None
+                   ) -> tuple[Work, list[torch.Tensor]]:
         """Every member's ``tensor`` in quorum order (members' tensors have one length here: the
         quantised DP messages of one stage); a failure leaves zeros and is reported to the manager."""
         n = self.size
         if self.axis is not None:
             self.meter.add(self.axis, (n - 1) * tensor.numel() * tensor.element_size())
         if n == 1:
-            return _Done(), [tensor.clone()]
+            return DONE, [tensor.clone()]
         host = to_host(tensor.detach().reshape(-1)).contiguous()
         out = [torch.zeros_like(host) for _ in range(n)]
         if self.manager.errored() is None:
@@ -58,4 +61,4 @@ class ManagedGroup(DistGroup):
                 self.manager.wrap_future(work.get_future(), None).wait()
             except Exception as e:  # noqa: BLE001 - torchft's contract: report, skip the step, never raise
                 self.manager.report_error(e)
-        return _Done(), [to_device(t, tensor.device) for t in out]
+        return DONE, [to_device(t, tensor.device) for t in out]

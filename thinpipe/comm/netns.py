@@ -1,5 +1,6 @@
 """Real links on one Linux machine: every rank in its own network namespace, bandwidth shaped by
-the kernel (issue 6: "real-network mode"; paper App. H.1 sizes PP/DP links in Mbit/s).
+the kernel (docs/distributed.md: real links on one machine; anchor-priors App. H.1 sizes PP/DP links
+in Mbit/s).
 
 Layout: a hub namespace holds a bridge; rank i's namespace holds ``eth0`` (10.77.0.<i+1>/24),
 one end of a veth pair whose other end is a bridge port. On each rank's egress an HTB qdisc gives
@@ -18,7 +19,7 @@ import subprocess
 from dataclasses import dataclass
 
 from thinpipe.config import ConfigError
-from thinpipe.mesh import MeshLayout
+from thinpipe.layout import MeshLayout
 
 SUBNET = "10.77.0"
 UNSHAPED_MBIT = 100_000  # the default class: control traffic between ranks with no shaped link

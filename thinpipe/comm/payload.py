@@ -1,4 +1,5 @@
-"""What crosses a link: named tensors (DESIGN.md property 2). Every transport and codec speaks it."""
+"""What crosses a link: named tensors (docs/architecture.md: one payload's path). Every transport and
+codec speaks it."""
 
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ only between ranks that hold the job key (docs/security.md, "Elastic replicas: t
 torchft's own transports deserialise what a peer sends with Python's object serialisation
 (``HTTPTransport`` through a full ``torch.load``, ``PGTransport`` for its metadata), which can run
 code and which this project never applies to anything read from a peer or a file. This one sends the
-state as the checkpoint files do (``thinpipe/checkpoint.py``): the tree as JSON (tensors replaced by
-keys) and the tensors as safetensors, over plain HTTP from the sender's rank, listening on the job's
+state as the checkpoint files do (``comm/state_blob.py``: the tree as JSON, tensors replaced by keys,
+and the tensors as safetensors), over plain HTTP from the sender's rank, listening on the job's
 address only (``comm/bind.py``):
 
   ``GET /checkpoint/{step}``, ``Authorization: thinpipe-mac ts=T, nonce=N, mac=M``
@@ -24,11 +24,11 @@ refused in one line naming its URL.
 The receiver decides what it reads: a size cap (``max_bytes``: the announced Content-Length is
 checked before reading and reading stops there), one deadline for the whole transfer (a peer that
 drip-feeds bytes fails at it), a JSON tree at most ``MAX_DEPTH`` deep, and it validates every part
-(magic, lengths, the step it asked for, a JSON tree of known kinds, safetensors' own header checks);
-every refusal is one line (``CheckpointError``). The server gives a connection ``HEADER_DEADLINE_S``
-to send its request and handles at most ``slots`` at once: when they are full, a new connection
-displaces the oldest one that is still sending its request, so half-open connections cannot lock a
-joiner out. The sender keeps one serialised copy of its state from ``send_checkpoint`` until
+(``state_blob.py``: magic, lengths, the step it asked for, a JSON tree of known kinds, safetensors'
+own header checks); every refusal is one line (``CheckpointError``). The server gives a connection
+``HEADER_DEADLINE_S`` to send its request and handles at most ``slots`` at once: when they are full,
+a new connection displaces the oldest one that is still sending its request, so half-open
+connections cannot lock a joiner out. The sender keeps one serialised copy of its state from ``send_checkpoint`` until
 ``disallow_checkpoint`` (its next commit: by then every joiner has fetched it, since the step's
 all-reduce needs them).
 """
@@ -36,8 +36,6 @@ all-reduce needs them).
 from __future__ import annotations
 
 import io
-import json
-import re
 import secrets
 import socket
 import threading
@@ -48,18 +46,13 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Callable
 
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 from torchft.checkpointing.transport import CheckpointTransport
 
-from thinpipe.checkpoint import CheckpointError, decode_tree, encode_tree
+from thinpipe.checkpoint import CheckpointError
 from thinpipe.comm.bind import ANY, bind_address
 from thinpipe.comm.jobkey import derive, mac, same
+from thinpipe.comm.state_blob import decode_state, encode_state
 
-MAGIC = b"THINPIPE-STATE1"
-MAX_JSON_BYTES = 1 << 30
-MAX_DEPTH = 64                 # a state's tree is ~15 deep; a hostile one can be 200k (json's RecursionError)
 DEFAULT_MAX_BYTES = 1 << 34    # what a joiner accepts when nothing tells it what to expect (16 GiB)
 OWN_STATE_FACTOR = 4           # ... or this many times the state it last sent itself
 FRESH_S = 300.0                # a request's time may differ this much from the server's clock (and nonces are kept 2x)
@@ -69,51 +62,6 @@ SLOTS = 8                      # requests served at once
 BUSY_RETRY_S = 0.2
 AUTH_SCHEME = "thinpipe-mac"
 STATE_MAC_HEADER = "X-Thinpipe-State-MAC"
-_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
-_BRACKETS = re.compile(rb"[\[\]{}]")
-
-
-def encode_state(step: int, state) -> bytes:
-    skeleton, tensors = encode_tree(state)
-    head = json.dumps({"step": step, "tree": skeleton}).encode()
-    return MAGIC + len(head).to_bytes(8, "big") + head + st_save(tensors)
-
-
-def _too_deep(text: bytes) -> bool:
-    """Whether the JSON ``text`` nests deeper than ``MAX_DEPTH`` (strings skipped; stops at the first excess)."""
-    depth = 0
-    for m in _BRACKETS.finditer(_STRINGS.sub(b'""', text)):
-        depth += 1 if m.group() in (b"[", b"{") else -1
-        if depth > MAX_DEPTH:
-            return True
-    return False
-
-
-def decode_state(blob: bytes, step: int, source: str):
-    """The state ``encode_state`` wrote for ``step``; ``CheckpointError`` naming ``source`` otherwise."""
-    def bad(why: str) -> CheckpointError:
-        return CheckpointError(f"the state received from {source} is not valid ({why}); the replica cannot join")
-
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 8:
-        raise bad("it does not start with the thinpipe state header")
-    n = int.from_bytes(blob[len(MAGIC):len(MAGIC) + 8], "big")
-    start = len(MAGIC) + 8
-    if n > MAX_JSON_BYTES or start + n > len(blob):
-        raise bad(f"its JSON length {n} does not fit the {len(blob)} bytes received")
-    text = bytes(blob[start:start + n])
-    if _too_deep(text):
-        raise bad(f"its JSON nests deeper than {MAX_DEPTH} levels")
-    try:
-        head = json.loads(text)
-        tensors = st_load(bytes(blob[start + n:]))
-    except (ValueError, SafetensorError, RecursionError) as e:
-        raise bad(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
-    if not isinstance(head, dict) or head.get("step") != step or "tree" not in head:
-        raise bad(f"it is for step {head.get('step') if isinstance(head, dict) else '?'}, step {step} was asked for")
-    try:
-        return decode_tree(head["tree"], tensors)
-    except (TypeError, ValueError, KeyError, AttributeError) as e:
-        raise bad(f"its tree is not a thinpipe state ({type(e).__name__})") from None
 
 
 def state_tag(key: bytes, step: int, blob) -> bytes:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from thinpipe.log import say
+from thinpipe.console import say
 
 
 @dataclass
@@ -29,7 +29,8 @@ class ShapedLink:
 
     def __post_init__(self) -> None:
         if self.rate_mbps < 0 or self.latency_ms < 0:
-            raise ValueError(f"a link needs rate_mbps >= 0 and latency_ms >= 0, got {self.rate_mbps}, {self.latency_ms}")
+            raise ValueError(f"a link needs rate_mbps >= 0 and latency_ms >= 0, got {self.rate_mbps}, "
+                             f"{self.latency_ms}")
 
     def delivery_time(self, nbytes: int, now: float) -> float:
         """When a message of ``nbytes`` handed over at ``now`` arrives (and book the link)."""

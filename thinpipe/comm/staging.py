@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.comm.protocols import Work
+
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """``t`` on the CPU (pinned, for the fast copy); ``t`` itself when it is there already."""
@@ -28,10 +30,10 @@ def to_device(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     return t.to(device)
 
 
-class StagedWork:
+class StagedWork(Work):
     """A collective posted on a host copy: waiting copies the result back into the device tensor."""
 
-    def __init__(self, work, host: torch.Tensor, target: torch.Tensor):
+    def __init__(self, work: Work, host: torch.Tensor, target: torch.Tensor):
         self.work, self.host, self.target = work, host, target
 
     def wait(self) -> None:

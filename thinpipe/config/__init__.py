@@ -7,8 +7,8 @@ validated so that a bad input fails with one clear ``ConfigError`` before any he
 One file per idea: ``errors`` (ConfigError, and a job's ranks reporting one line), ``env`` (environment
 variables read as checked values: ``thinpipe.config.env``), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
 [link]), ``boundary`` ([boundary]), ``train`` ([train], [train.lora], [eval], [diag]), ``dp``
-([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic`` ([elastic]), ``aliases`` (deprecated keys) and ``root`` (Config, TOML,
-overrides). Import from ``thinpipe.config``: every name is re-exported here.
+([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic`` ([elastic]), ``aliases`` (deprecated
+keys) and ``root`` (Config, TOML, overrides). Import from ``thinpipe.config``: every name is re-exported here.
 """
 
 from thinpipe.config.aliases import DEPRECATED_KEYS

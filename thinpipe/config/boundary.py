@@ -27,7 +27,8 @@ class BoundaryConfig:
     4 / 2-bit), ``aqsgd`` (AQ-SGD: quantised change against a per-example buffer), ``tahquant``
     (tile-wise adaptive Hadamard quantisation) and ``bottleneck`` (a learned linear down/up pair
     of K = (1-p) H dims); ``outlier`` (not in the papers: calibrated outlier channels sent intact,
-    the rest Hadamard-rotated and quantised; issue 17). docs/baselines.md has each one's details."""
+    the rest Hadamard-rotated and quantised; experiments/frontier/README.md). docs/baselines.md has each
+    one's details."""
     p: float = 0.95
     """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
@@ -104,7 +105,8 @@ class BoundaryConfig:
     with the largest gradient norm; a bitmap of 1 bit per token says which); the rest arrive as 0."""
     compress: str = "both"
     """``outlier``: the directions compressed: ``both``, ``fwd`` (the gradient crosses dense in the
-    wire dtype) or ``bwd`` (the activation crosses dense): issue 26's forward/backward split."""
+    wire dtype) or ``bwd`` (the activation crosses dense): the forward/backward split of a setting's
+    loss (experiments/frontier/README.md)."""
     ssn_refresh_every: int = 500
     """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
     ssn_refresh_lr: float = 0.01

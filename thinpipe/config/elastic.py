@@ -1,6 +1,6 @@
 """How a job with elastic replicas (``thinpipe launch --elastic``, torchft) forms and keeps its quorum: ``[elastic]``.
 
-Read only by the elastic engine (``engine/elastic.py``) and its launcher; an ordinary run ignores it.
+Read only by the elastic engine (``engine/elastic_rank.py``) and its launcher; an ordinary run ignores it.
 """
 
 from __future__ import annotations

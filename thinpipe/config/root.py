@@ -8,8 +8,8 @@ validated so that a bad input fails with one clear ``ConfigError`` before any he
 from __future__ import annotations
 
 import dataclasses
-import math
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,6 @@ from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
 from thinpipe.config.wire import WireConfig
-
 
 INT_LIMIT = 2**63  # every integer key ends up in an int64 somewhere (a tensor, a seed, a file offset)
 
@@ -91,7 +90,8 @@ class Config:
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
                 f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
         if self.boundary.outlier_fwd_bits and len(self.boundary.outlier_fwd_bits) != self.mesh.pp - 1:
-            raise ConfigError(f"boundary.outlier_fwd_bits = {self.boundary.outlier_fwd_bits} needs one entry per boundary: "
+            raise ConfigError(f"boundary.outlier_fwd_bits = {self.boundary.outlier_fwd_bits} "
+                              "needs one entry per boundary: "
                               f"{self.mesh.pp - 1} with mesh.pp = {self.mesh.pp}")
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "

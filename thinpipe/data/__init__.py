@@ -7,8 +7,15 @@ deterministic sharded batches.
 """
 
 from .byte_tokenizer import ByteTokenizer
-from .chat import CHAT_FORMATS, prompt_text, resolve_chat_format, response_text, tokenize_chat, tokenize_messages, \
-    tokenize_text
+from .chat import (
+    CHAT_FORMATS,
+    prompt_text,
+    resolve_chat_format,
+    response_text,
+    tokenize_chat,
+    tokenize_messages,
+    tokenize_text,
+)
 from .corpora import CORPORA, Corpus, load_examples
 from .fetch import cache_dir
 from .loader import batches, build_dataset, derive_seed, steps_per_epoch

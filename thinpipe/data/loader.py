@@ -46,9 +46,10 @@ def build_dataset(name: str, tokenizer, seq_len: int, split: str, seed: int, max
     Built-in corpora: the examples are shuffled by `seed` before `max_examples` takes the first ones,
     so a small subset is a random sample, not the first subject of the source file. Rows are shuffled
     by `seed` too. The held-out split (``split = "val"``) ignores `seed` and uses ``SPLIT_SEED``: runs
-    of every seed are scored on the same rows, so their losses pair (issue 26). A user's files stream
-    through user_data.py (held-out rows from `val_name` or a seeded `val_fraction`; `max_examples`
-    takes the first rows). `tokenizer` is an HF tokenizer or a ByteTokenizer; padding uses its pad_token_id, or its eos_token_id when it has no pad token.
+    of every seed are scored on the same rows, so their losses pair (experiments/frontier/README.md:
+    paired seeds). A user's files stream through user_data.py (held-out rows from `val_name` or a
+    seeded `val_fraction`; `max_examples` takes the first rows). `tokenizer` is an HF tokenizer or a
+    ByteTokenizer; padding uses its pad_token_id, or its eos_token_id when it has no pad token.
     """
     pad_id = getattr(tokenizer, "pad_token_id", None)
     if pad_id is None:

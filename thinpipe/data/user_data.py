@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from thinpipe.config import ConfigError
-from thinpipe.log import say
+from thinpipe.console import say
 
 from .chat import resolve_chat_format, tokenize_messages, tokenize_text
 from .fetch import cache_dir
@@ -50,7 +50,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 SPLIT_SEED = 0  # neither the held-out coin nor the held-out rows' order follows train.seed: runs of any seed
-               # (and --init-from chains on one file) are scored on the same held-out rows (issue 26)
+               # (and --init-from chains on one file) are scored on the same held-out rows, so their losses pair
 
 
 def in_val(ordinal: int, fraction: float) -> bool:

@@ -10,8 +10,10 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.comm.protocols import Group
 
-def allreduce_average(tensors: dict[str, torch.Tensor], group, rank: int, world: int) -> Generator:
+
+def allreduce_average(tensors: dict[str, torch.Tensor], group: Group, rank: int, world: int) -> Generator:
     """Replace each tensor (in place) by its mean over the group."""
     if not tensors:
         return

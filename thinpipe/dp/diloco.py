@@ -1,4 +1,4 @@
-"""DiLoCo outer step (Douillard et al. 2023; dp-algorithms.md), math + explicit state.
+"""DiLoCo outer step (Douillard et al. 2023, DiLoCo; docs/dp.md), math + explicit state.
 
 Each replica runs H inner steps of its inner optimizer on its own data from the shared global
 weights theta. Then, per replica (all hold identical global copies and outer-optimizer states):
@@ -19,6 +19,7 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.comm.protocols import Group
 from thinpipe.dp.allreduce import allreduce_average
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
 
@@ -46,7 +47,7 @@ def pseudo_gradient(global_p: torch.Tensor, local_p: torch.Tensor) -> torch.Tens
     return global_p.detach() - local_p.detach().to(global_p.device)
 
 
-def outer_step(state: DiLoCoState, named_local, group, rank: int, world: int,
+def outer_step(state: DiLoCoState, named_local, group: Group, rank: int, world: int,
                compressor: PowerSGDState | None = None) -> Generator:
     """One DiLoCo outer step for one replica; leaves local == global afterwards."""
     local = dict(named_local)

@@ -1,4 +1,4 @@
-"""PowerSGD low-rank compression of tensors to be averaged (Vogels et al. 2019; dp-algorithms.md).
+"""PowerSGD low-rank compression of tensors to be averaged (Vogels et al. 2019, PowerSGD; docs/dp.md).
 
 Math in plain functions, state explicit and keyed by parameter name. One compressed average of a
 matrix M (higher-rank tensors viewed as (shape[0], -1); vectors go uncompressed):
@@ -14,19 +14,19 @@ Wire: r (n + m) values per matrix instead of n m. Before ``start_step`` everythi
 uncompressed; a matrix is compressed only if it saves at least ``min_compression_rate`` (as
 PyTorch's hook does). ``powersgd_average`` is a generator: it yields each collective's ``Work``
 so that one process can drive several simulated ranks in lockstep, or a real rank can overlap the
-waits; the group is anything with ``all_reduce(rank, tensor) -> Work`` (sum, in place).
+waits; the group is a ``comm/protocols.py: Group`` (``all_reduce(rank, tensor) -> Work``: sum, in place).
 """
 
 from __future__ import annotations
 
+import math
+import zlib
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-import math
-import zlib
-
 import torch
 
+from thinpipe.comm.protocols import Group
 from thinpipe.dp.allreduce import allreduce_average
 
 
@@ -98,7 +98,7 @@ def wire_numel(shapes: dict[str, tuple[int, ...]], state: PowerSGDState) -> int:
     return total
 
 
-def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], group, rank: int,
+def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], group: Group, rank: int,
                      world: int) -> Generator:
     """Replace each tensor in ``tensors`` (in place) by the compressed average over ``group``.
     Yields the Works of its collectives; advances ``state.step`` when done."""

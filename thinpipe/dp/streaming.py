@@ -1,4 +1,4 @@
-"""Streaming DiLoCo (Douillard et al. 2025; dp-algorithms.md): DiLoCo with fragments, overlap and mixing.
+"""Streaming DiLoCo (Douillard et al. 2025, Streaming DiLoCo; docs/dp.md): DiLoCo with fragments, overlap and mixing.
 
 - **Fragments**: a stage's parameters are split into F fragments strided over layers (layer k goes
   to fragment k mod F; parameters outside the decoder layers go to fragment 0). Fragment f has its
@@ -21,16 +21,12 @@ from collections.abc import Generator
 
 import torch
 
+from thinpipe.comm.protocols import Group
+from thinpipe.comm.work import DONE
 from thinpipe.dp.allreduce import allreduce_average
 from thinpipe.dp.diloco import DiLoCoState, pseudo_gradient
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
 
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
-_DONE = _Done()
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -58,7 +54,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, shape) -> torch.Tensor
     return (q.to(torch.float32) * scale).reshape(shape)
 
 
-def quantized_average(tensors: dict[str, torch.Tensor], group, rank: int, world: int) -> Generator:
+def quantized_average(tensors: dict[str, torch.Tensor], group: Group, rank: int, world: int) -> Generator:
     """Average by all-gathering int8 values + row scales; every member dequantises all and averages
     in rank order, so all hold the same result."""
     packed = {n: quantize_rows(t) for n, t in tensors.items()}
@@ -94,8 +90,8 @@ def fragment_deltas(state: StreamingState, fragment: int, named_local) -> dict[s
     return {n: pseudo_gradient(state.global_params[n], local[n]) for n in state.members[fragment]}
 
 
-def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.Tensor], named_local, group,
-                  rank: int, world: int, alpha: float, quantize: bool = False,
+def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.Tensor], named_local,
+                  group: Group, rank: int, world: int, alpha: float, quantize: bool = False,
                   compressor: PowerSGDState | None = None) -> Generator:
     """Average ``deltas`` (the first yield is the posted collective); when resumed, possibly tau
     inner steps later, apply the fragment's outer step and mix the (by then newer) local weights."""
@@ -112,7 +108,7 @@ def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.
         posted = True
         yield work
     if not posted:  # a group of one: still a point where the caller can defer the outer step
-        yield _DONE
+        yield DONE
     for n in names:
         state.global_params[n].grad = deltas[n]
     # Only this fragment's parameters have a grad, so the outer SGD moves (and keeps momentum for) them alone.

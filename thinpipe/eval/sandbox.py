@@ -1,4 +1,4 @@
-"""Run model-generated code (HumanEval, MBPP) where it can do little harm (issue 25, docs/security.md).
+"""Run model-generated code (HumanEval, MBPP) where it can do little harm (docs/security.md: the sandbox).
 
 The risk: a model's completion is arbitrary Python. It may loop forever, exhaust memory, fork, read
 or overwrite files, talk to the network, or try to undo the isolation itself. The program runs:

@@ -49,6 +49,25 @@ def _rename_legacy_boundary_keys(module, state_dict, prefix, *args) -> None:
             state_dict[f"{prefix}{new}.{key[len(prefix) + len(old) + 1:]}"] = state_dict.pop(key)
 
 
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum over positions of -log p(labels[t + 1] | ..t), labels -100 ignored: ``cross_entropy`` of the
+    shifted logits, bitwise, without copying them.
+
+    ``cross_entropy`` is ``log_softmax`` then ``nll_loss``. Slicing the logits to ``[:, :-1]`` first copies
+    a (B, T-1, V) tensor forward and fills a zero (B, T, V) one backward (the largest temporaries of a
+    step: vocabulary-sized). ``log_softmax`` is row-wise, so it runs on the unsliced view; the picked
+    log-probabilities then enter ``nll_loss`` as the same rows, in the same order, with the same ignored
+    ones, so its sum (and every gradient) is what the sliced call gives.
+    """
+    b, t, v = logits.shape
+    logp = F.log_softmax(logits.reshape(-1, v), dim=-1)
+    targets = labels[:, 1:]
+    nxt = F.pad(targets, (0, 1), value=-100).reshape(-1, 1)
+    picked = logp.gather(1, nxt.clamp(min=0)).view(b, t)[:, :-1].reshape(-1, 1)
+    keep = torch.where(targets == -100, -100, 0).reshape(-1)
+    return F.nll_loss(picked, keep, ignore_index=-100, reduction="sum")
+
 class Stage(nn.Module):
     """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?"""
 
@@ -79,11 +98,7 @@ class Stage(nn.Module):
         h = self.hidden_states(x, ctx)
         if not self.is_last:
             return h
-        logits = self.logits(h)[:, :-1].float()
-        targets = ctx.labels[:, 1:]
-        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                   ignore_index=-100, reduction="sum")
-        return loss_sum * ctx.loss_scale
+        return next_token_loss(self.logits(h).float(), ctx.labels) * ctx.loss_scale
 
     def hidden_states(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """(embed?) -> this stage's layers: hidden states (B, T, H)."""

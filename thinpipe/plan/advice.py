@@ -6,23 +6,25 @@ inside the paper's stability limits:
 
 - p <= 0.95 (§5.2: 99% masking diverges or degrades sharply);
 - PowerSGD at most 64x (the paper's setting; higher ratios were not shown to train);
-- DiLoCo H <= 500 (DiLoCo's own range; dp-algorithms.md);
+- DiLoCo H <= 500 (DiLoCo's own range: Douillard et al. 2023, DiLoCo, H = 500 for pretraining);
 - with the anchor circuit, K_stale <= 25 fast steps (App. H.3: priors older than ~20-25 steps no
   longer help). Compressing more makes fast steps shorter and so the anchor's priors *staler*:
   this limit can make a target unreachable even where bandwidth alone would allow it.
 
 "Least compression" is ordered: first the smallest p, then the smallest DP compression (PowerSGD
-ratio x H). Masking goes last because it is what costs held-out loss in our measurements (issue 3:
-every masked arm ends above Dense), while DP compression with DiLoCo costs little at H = 10.
+ratio x H). Masking goes last because it is what costs held-out loss in our measurements
+(experiments/anchor_priors/README.md: every masked arm ends above Dense), while DP compression with
+DiLoCo costs little at H = 10.
 
-Quality (issue 17): without a probe the advice says that it has not checked what its setting does to
-the model. With ``--probe probe.json`` (``thinpipe probe``, same model and stages) the boundary
-options are the probe's arms whose forward damage (held-out loss through the compressed boundaries,
-no training) is within ``--max-damage`` (a fraction of the dense loss, default 1%); among the
-settings that meet the target, the least damaged wins (then the least DP compression). When none
-meets both, the answer names the closest on each side: the fastest setting within the damage bound,
-and the least damaged setting that reaches the target. Bytes: the closed form's own formula for the
-kinds it models (tested equal to the probe's meter), the probe's measured fraction for the others.
+Quality (docs/probe.md, "Advice within a quality bound"): without a probe the advice says that it
+has not checked what its setting does to the model. With ``--probe probe.json`` (``thinpipe probe``,
+same model and stages) the boundary options are the probe's arms whose forward damage (held-out loss
+through the compressed boundaries, no training) is within ``--max-damage`` (a fraction of the dense
+loss, default 1%); among the settings that meet the target, the least damaged wins (then the least
+DP compression). When none meets both, the answer names the closest on each side: the fastest
+setting within the damage bound, and the least damaged setting that reaches the target. Bytes: the
+closed form's own formula for the kinds it models (tested equal to the probe's meter), the probe's
+measured fraction for the others.
 
 The target is met on the closed form's serialised tokens/s (App. J.1: the conservative number, and
 the one that fits the paper's Table 1 best, docs/plan.md); ``--max-mbps B`` sets every link to B
@@ -179,7 +181,8 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
     def stable(r: dict) -> bool:
         return r.get("k_stale", 0.0) <= MAX_STALENESS
 
-    options = load_probe(probe, cfg, float("inf")) if probe is not None else None  # every arm: the bound is applied below
+    # every arm: the bound is applied below
+    options = load_probe(probe, cfg, float("inf")) if probe is not None else None
     out = {"goal": goal, "limits": {"p_max": MAX_P, "powersgd_max_x": MAX_POWERSGD_X, "h_max": MAX_H,
                                     "k_stale_max": MAX_STALENESS if cfg.mesh.anchor else None},
            "quality": (f"checked: forward damage <= {max_damage:.1%} of the dense held-out loss (thinpipe probe "

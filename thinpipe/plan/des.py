@@ -2,7 +2,7 @@
 
 Refines App. J.1's closed form where it is blind: each boundary has its own link per direction
 (bandwidth + latency, FIFO), stages compute one action at a time in their schedule's order (GPipe
-or 1F1B, ``engine/schedule.py``: the schedules the engines run), and a stage waits for its input.
+or 1F1B, ``rank/schedule.py``: the schedules the engines run), and a stage waits for its input.
 So pipelining across boundaries, the fill/drain bubble and per-message latency all show up.
 
 Times in seconds, sizes in bytes, rates in bytes/s. An action F(s, m) starts when stage s is free
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thinpipe.engine.schedule import SCHEDULES, serial_order
+from thinpipe.rank.schedule import SCHEDULES, serial_order
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ schedule-level simulation (``des.py``; the ``des_*`` keys). Every number says wh
 
 Inputs read from the config: mesh.dp (fast replicas D), mesh.pp (stages K), mesh.anchor;
 train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per DP element);
-boundary.dtype (the PP wire: ``auto`` is train.dtype, as ``engine/setup.py: wire_dtype``; it sets
+boundary.dtype (the PP wire: ``auto`` is train.dtype, as ``rank/from_config.py: wire_dtype``; it sets
 b_act, and Dense's bytes that the PP compression is stated against); boundary.kind and boundary.p
 (fraction of a dense boundary's bytes sent: a quantiser's codes are the same bytes on either wire,
 so its fraction doubles on a bf16 one); dp.kind, dp.rank, dp.inner_steps
@@ -94,8 +94,8 @@ def powersgd_ratio(arch: Architecture, rank: int, lora=None) -> float:
 
 def wire_dtype_name(cfg: Config) -> str:
     """The dtype PP activations and gradients cross in: ``boundary.dtype``, or with ``auto`` the
-    training dtype (``engine/setup.py: wire_dtype``); an unresolved ``train.dtype = auto`` is fp32
-    (the CPU's; ``plan/command.py`` resolves it for the plan's device first)."""
+    training dtype (``rank/from_config.py: wire_dtype``); an unresolved ``train.dtype = auto`` is fp32
+    (the CPU's; ``commands/plan.py`` resolves it for the plan's device first)."""
     name = cfg.boundary.dtype if cfg.boundary.dtype != "auto" else cfg.train.dtype
     return "bfloat16" if name == "bfloat16" else "float32"
 
@@ -150,7 +150,8 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         dense = 8 * elem_bytes
         fwd_bits, bwd_bits = (dense if b.compress == "bwd" else fwd_bits), (dense if b.compress == "fwd" else bwd_bits)
         return (fwd_bits + bwd_bits) / (2 * dense)
-    raise ConfigError(f"thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier and the quantisers, "
+    raise ConfigError("thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier "
+                      "and the quantisers, "
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 
 
@@ -205,7 +206,8 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
         "device_source": device.source, "device_flops": device.peak_flops * device.mfu,
-        "model": cfg.model.name, "params": N, "trained_params": N_train, "stages": K, "fast_replicas": D, "tokens_per_replica_step": S,
+        "model": cfg.model.name, "params": N, "trained_params": N_train, "stages": K, "fast_replicas": D,
+        "tokens_per_replica_step": S,
         "rho_act": rho_act, "rho_dp": rho_dp, "tau": tau,
         "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,
         "step_time_s": serial, "step_time_overlapped_s": overlapped,
@@ -215,8 +217,9 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
         "des_step_time_s": pipe["makespan_s"] + t_dp, "des_tokens_per_s": tokens / (pipe["makespan_s"] + t_dp),
         "des_tokens_per_s_overlapped": tokens / max(pipe["makespan_s"], t_dp),
         "des_shared_source": "schedule simulation with every PP link shared fairly by the D replicas of its stages",
-        "des_shared_pipeline_s": shared["makespan_s"], "des_shared_tokens_per_s": tokens / (shared["makespan_s"] + t_dp),
-        # the PP compression is stated against Dense on this plan's own wire (issue 26): a quantiser's
+        "des_shared_pipeline_s": shared["makespan_s"],
+        "des_shared_tokens_per_s": tokens / (shared["makespan_s"] + t_dp),
+        # the PP compression is stated against Dense on this plan's own wire: a quantiser's
         # ratio against an fp32 Dense is twice its ratio against the bf16 Dense a GPU sends
         "pp_wire_dtype": wire_dtype_name(cfg), "dense_pp_bytes_per_token": dense_pp,
         "pp_compression_x": 1 / rho_act if K > 1 and rho_act > 0 else None,

@@ -10,7 +10,7 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16"}
 
 def compression_text(r: dict) -> str:
     """The PP compression of a plan, naming the Dense it is against: Dense on the plan's own wire
-    (issue 26: a quantiser's ratio against an fp32 Dense is twice what a bf16 user gets)."""
+    (a quantiser's ratio against an fp32 Dense is twice what a bf16 user gets)."""
     if r.get("pp_compression_x") is None:
         return "- (one stage: no PP boundary)"
     return (f"{r['pp_compression_x']:.1f}x (against Dense on this plan's {SHORT[r['pp_wire_dtype']]} wire: "
@@ -22,7 +22,8 @@ def print_plan(result: dict, name: str) -> None:
                                                        f"{result['device_flops'] / 1e12:.3g} TFLOP/s"),
             ("compute per step", f"{result['t_compute_s']:.3f} s"), ("PP per step", f"{result['t_pp_s']:.3f} s"),
             ("DP per step", f"{result['t_dp_s']:.3f} s"),
-            ("step time (serialised / overlapped)", f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
+            ("step time (serialised / overlapped)",
+             f"{result['step_time_s']:.3f} s / {result['step_time_overlapped_s']:.3f} s"),
             ("tokens/s (serialised / overlapped)",
              f"{result['tokens_per_s']:.0f} / {result['tokens_per_s_overlapped']:.0f}"),
             ("schedule simulation: pipeline / bubble", f"{result['des_pipeline_s']:.3f} s / "
@@ -35,7 +36,8 @@ def print_plan(result: dict, name: str) -> None:
     if "k_stale" in result:
         rows += [("anchor T_pull / T_clean / T_push", f"{result['t_pull_s']:.2f} / {result['t_clean_s']:.2f} / "
                                                       f"{result['t_push_s']:.2f} s"),
-                 ("anchor staleness K_stale (overlapped)", f"{result['k_stale']:.1f} ({result['k_stale_overlapped']:.1f}) steps")]
+                 ("anchor staleness K_stale (overlapped)",
+                  f"{result['k_stale']:.1f} ({result['k_stale_overlapped']:.1f}) steps")]
     if "churn" in result:
         c = result["churn"]
         rows += [(f"with replica churn (MTBF {c['replica_mtbf_h']:g} h each, restart {c['restart_s']:g} s)",

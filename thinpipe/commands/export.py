@@ -1,0 +1,28 @@
+"""``thinpipe export``: a run's weights as a Hugging Face model folder (``engine/run_folder.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from thinpipe.commands.preflight import check_run
+
+NAME = "export"
+HELP = "write a run's weights as a Hugging Face model folder"
+
+
+def add_arguments(x: argparse.ArgumentParser) -> None:
+    x.add_argument("--run", required=True)
+    x.add_argument("--out", required=True, help="a new or empty folder, or an earlier export with --overwrite")
+    x.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only its own files; "
+                                                            "any other non-empty folder is refused)")
+
+
+def run(args) -> int:
+    from thinpipe.engine.run_folder import export  # the model libraries: loaded for this command only
+
+    run_folder = Path(args.run)
+    check_run(run_folder)
+    out = export(run_folder, args.out, overwrite=args.overwrite)
+    print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0

@@ -1,0 +1,135 @@
+"""What every process of a real mesh does before it becomes a rank: check the config, build its stage,
+boundaries, data and groups (``RankSetup``), agree with the others on the checkpoint set to resume from,
+and watch its launcher.
+
+``engine/dist_engine.py`` (a fast rank) and ``engine/elastic_rank.py`` (a rank of an elastic replica) both start
+here; an anchor rank is built by ``anchor_rank`` (``anchor/dist_rank.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from thinpipe.anchor.dist_rank import AnchorStageRank
+from thinpipe.anchor.dist_wiring import anchor_stage_rank
+from thinpipe.boundary import build_boundaries
+from thinpipe.checkpoint import load_part, refuse_legacy, sets, step_dir, verifies
+from thinpipe.comm import ByteMeter
+from thinpipe.comm.groups import ProcessGroups
+from thinpipe.comm.shaped import MeshLinks
+from thinpipe.config import Config, ConfigError
+from thinpipe.console import say
+from thinpipe.data import PackedDataset
+from thinpipe.faults import bench_whole_model
+from thinpipe.layout import MeshLayout, Role
+from thinpipe.models import Stage
+from thinpipe.placement import local_rank, move
+from thinpipe.rank.from_config import DTYPES, build_data, load_stage, place, wire_dtype
+from thinpipe.rank.schedule import SCHEDULES
+
+KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
+
+
+def check_supported(cfg: Config) -> None:
+    if cfg.mesh.anchor and cfg.train.on_divergence == "rollback":
+        raise ConfigError("--engine dist cannot roll back a run with an anchor circuit yet (its ranks would keep the "
+                          "diverged weights' priors): set train.on_divergence = stop, or roll back in the simulation")
+    if cfg.diag.every:
+        raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every process of the mesh builds the same way before it becomes a fast or an anchor rank."""
+
+    cfg: Config
+    layout: MeshLayout
+    role: Role
+    groups: ProcessGroups
+    links: MeshLinks
+    stage: Stage
+    bounds: list            # every boundary of the pipeline (this process touches its stage's two)
+    train_ds: PackedDataset
+    val_ds: PackedDataset
+    hidden_size: int
+    actions: list           # this stage's row of the pipeline schedule
+    device: torch.device    # where this rank computes
+
+    @staticmethod
+    def build(cfg: Config, layout: MeshLayout | None = None) -> RankSetup:
+        """``layout``: the processes of this torch.distributed world (default: the whole mesh; an
+        elastic replica's world is its own pipeline row, ``engine/elastic_rank.py``)."""
+        t, m = cfg.train, cfg.mesh
+        layout = layout or MeshLayout(m.dp, m.pp, m.anchor)
+        layout.check_world(dist.get_world_size())
+        role = layout.role(dist.get_rank())
+        device = place(cfg, local_rank())
+        # Only this rank's stage holds weights (the others are placeholders boundaries attach to);
+        loaded = load_stage(cfg, role.stage, whole=bench_whole_model())  # benchmarks/stage_memory.py's "before"
+        train_ds, val_ds = build_data(cfg, loaded.tokenizer)
+        stages, hidden = loaded.stages, loaded.hidden_size
+        bounds = build_boundaries(cfg.boundary, m.pp, hidden, t.seed, wire_dtype(cfg), loaded.model)
+        for b in bounds:
+            b.attach(stages[b.index], stages[b.index + 1])
+        for module in [stages[role.stage], *bounds]:
+            move(module, device)  # after attach: the owned boundary modules move with their stage
+        groups = ProcessGroups.build(layout)  # every process, every group, the same order
+        return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
+                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device)
+
+
+def held_state(state: dict) -> dict:
+    """A boundary's state without the neighbouring stage's placeholders (meta tensors: this rank
+    builds only its own stage, ``setup.load_stage``); they hold no data and are not this rank's."""
+    return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.is_meta)}
+
+
+def anchor_rank(r: RankSetup, folder: Path) -> AnchorStageRank:
+    return anchor_stage_rank(r.cfg, r.stage, r.layout, r.role.rank, r.groups, ByteMeter(), r.links,
+                             wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.actions, r.train_ds, r.hidden_size, folder)
+
+
+def agreed_set(folder: Path, rank: int, world_size: int) -> tuple[int, dict]:
+    """(step, this rank's state) of the newest set whose part verifies on every rank of the job, the
+    anchor's included (one collective over all ranks: each reports its newest verified steps)."""
+    mine = [s for s, f in sets(folder) if verifies(f, [f"rank{rank}"])][:KEEP_LISTED]
+    t = torch.full((KEEP_LISTED,), -1, dtype=torch.int64)
+    t[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    out = [torch.empty_like(t) for _ in range(world_size)]
+    dist.all_gather(out, t)
+    common = set.intersection(*({int(x) for x in o.tolist()} for o in out)) - {-1}
+    if not common:
+        refuse_legacy(folder)
+        raise ConfigError(f"--resume: no checkpoint in {folder} is complete on all {world_size} ranks (a set written "
+                          "after an anchor rank failed holds no part of it); start without --resume")
+    step = max(common)
+    state = load_part(step_dir(folder, step), f"rank{rank}")
+    if state["world_size"] != world_size:
+        raise ConfigError(f"--resume: the checkpoint was written by {state['world_size']} ranks, this job has "
+                          f"{world_size}")
+    return step, state
+
+
+def exit_with_launcher() -> None:
+    """Exit this rank when its torchrun agent dies (SIGKILL, lost node): torchrun starts each rank in
+    its own session, so nothing else would stop an orphaned rank, which would keep training and
+    holding its machine. Only for ranks a launcher started (torchrun sets TORCHELASTIC_RUN_ID,
+    ``thinpipe launch --netns`` sets THINPIPE_WATCH_PARENT=1)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("THINPIPE_WATCH_PARENT") != "1":
+        return
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        say(f"[thinpipe rank {os.environ.get('RANK', '?')}] its launcher (pid {parent}) is gone: exiting")
+        os._exit(1)
+
+    threading.Thread(target=watch, name="thinpipe-launcher-watch", daemon=True).start()

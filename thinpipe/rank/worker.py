@@ -1,0 +1,61 @@
+"""A stage's executor: runs its F/B actions, talking to neighbours only through a transport.
+
+The same worker serves the single-process simulation (in-process mailbox) and real processes
+(torch.distributed send/recv): only ``transport`` differs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.boundary import Boundary
+from thinpipe.boundary.link import receiver_backward, receiver_forward, sender_backward, sender_forward
+from thinpipe.comm.protocols import Transport
+from thinpipe.comm.tags import Activation, Gradient
+from thinpipe.models.stages import Stage
+from thinpipe.placement import autocast, device_of
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, replica: int, in_boundary: Boundary | None, out_boundary: Boundary | None,
+                 transport: Transport, compute_dtype: torch.dtype = torch.float32,
+                 axes: tuple[str, str] = ("pp_fwd", "pp_bwd")):
+        self.stage, self.replica = stage, replica
+        self.in_boundary, self.out_boundary = in_boundary, out_boundary
+        self.transport, self.compute_dtype = transport, compute_dtype
+        self.fwd_axis, self.bwd_axis = axes  # the anchor circuit meters its PP traffic on its own axis
+        self._saved: dict[int, dict] = {}
+        self.losses: list[float] = []
+
+    def _autocast(self):
+        return autocast(device_of(self.stage), self.compute_dtype)
+
+    def forward(self, ctx) -> None:
+        saved = self._saved.setdefault(ctx.microbatch, {})
+        if self.stage.is_first:
+            x = ctx.input_ids
+        else:
+            payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch),
+                                          self.in_boundary.payload_expect("fwd", ctx.tokens))
+            saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
+        with self._autocast():
+            out = self.stage(x, ctx)
+        if self.stage.is_last:
+            saved["loss"] = out
+            self.losses.append(float(out.detach()))
+        else:
+            saved["z"], payload = sender_forward(self.out_boundary, out, ctx)
+            self.transport.send(Activation(self.replica, self.out_boundary.index, ctx.microbatch), payload,
+                                self.fwd_axis)
+
+    def backward(self, ctx) -> None:
+        saved = self._saved.pop(ctx.microbatch)
+        if self.stage.is_last:
+            saved["loss"].backward()
+        else:
+            payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch),
+                                          self.out_boundary.payload_expect("bwd", ctx.tokens))
+            sender_backward(self.out_boundary, saved["z"], payload, ctx)
+        if not self.stage.is_first:
+            payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)
+            self.transport.send(Gradient(self.replica, self.in_boundary.index, ctx.microbatch), payload, self.bwd_axis)
