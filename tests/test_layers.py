@@ -21,6 +21,7 @@ LAYERS = [
     ["thinpipe.dashboards", "thinpipe.events"],                       # dashboards, an elastic job's events
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],             # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
+    ["thinpipe.objective"],                                           # post-SFT losses and rewards (math)
     ["thinpipe.boundary"],                                            # the boundary contract
     ["thinpipe.rank"],                                                # one rank, transport-free
     ["thinpipe.anchor"],                                              # the anchor circuit

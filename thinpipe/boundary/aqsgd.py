@@ -38,6 +38,7 @@ def row_keys(input_ids: torch.Tensor) -> list[str]:
 
 class AqsgdBoundary(QuantBoundary):
     kind = "aqsgd"
+    forward_state = True  # its forward updates its state (base.py)
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)

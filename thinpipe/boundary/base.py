@@ -43,6 +43,9 @@ class Boundary(nn.Module):
 
     kind = "identity"
     architectural = False  # True: part of the model (evaluation runs through it); False: a wire codec
+    # True: a forward changes the boundary's state (AQ-SGD's buffers, MAPL-VQ's streaming codebooks), so two
+    # forwards of one sequence differ; RL's old-log-prob pass needs them equal and refuses such a kind.
+    forward_state = False
 
     def __init__(self, index: int, hidden_size: int, wire_dtype: torch.dtype | None = None):
         super().__init__()

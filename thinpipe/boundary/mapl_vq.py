@@ -25,6 +25,7 @@ def _unit_rms(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class MaplVQBoundary(MaplBoundary):
     kind = "mapl-vq"
+    forward_state = True  # its forward updates its state (base.py)
 
     def __init__(self, *args, codes: int = 256, rounds: int = 2, group_size: int = 2, sync_codes: int = 1,
                  decay: float = 0.95, **kwargs):

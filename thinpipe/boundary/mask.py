@@ -1,8 +1,10 @@
 """Random activation masking at a PP boundary (paper §3.1, App. F).
 
 Each token keeps exactly K = round((1-p) H) of its H hidden dims, chosen by the shared PRF keyed on
-(seed, boundary, step, microbatch, replica); the mask itself never crosses the wire. Masking is in-graph:
-the sender gathers the K kept values (``z``), the receiver scatters them back into zeros, so the
+(seed, boundary, step, microbatch, replica) and the token's index in the microbatch, or, when the context gives
+per-row keys (RL: a sequence's key of (step, sequence)), on (seed, boundary, row key) and the token's position,
+so that a sequence draws the same masks in every forward of it; the mask itself never crosses the wire.
+Masking is in-graph: the sender gathers the K kept values (``z``), the receiver scatters them back into zeros, so the
 backward carries the gradients of exactly those K values and every other dim gets zero gradient.
 With ``rescale`` the receiver multiplies by 1/(1-p) (App. F), which makes E_m[x_hat] = x.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from thinpipe.boundary.base import Boundary, Payload
-from thinpipe.boundary.prf import keep_indices, prf_key
+from thinpipe.boundary.prf import keep_indices, keep_indices_rows, prf_key
 
 
 def kept_dims(hidden_size: int, p: float) -> int:
@@ -46,6 +48,9 @@ class MaskBoundary(Boundary):
         return keep_indices(key, tokens, self.hidden_size, self.keep_at(ctx.step), device)
 
     def _flat_indices(self, shape, ctx, device) -> torch.Tensor:
+        if getattr(ctx, "row_keys", None) is not None:
+            keys = [prf_key(self.seed, self.index, int(k)) for k in ctx.row_keys.tolist()]
+            return keep_indices_rows(keys, ctx.position_ids.to(device), self.hidden_size, self.keep_at(ctx.step))
         idx = self.indices(ctx, shape[0] * shape[1], device)
         return idx.view(shape[0], shape[1], idx.shape[-1])
 

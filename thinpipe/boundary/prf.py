@@ -50,3 +50,16 @@ def keep_indices(key: int, tokens: int, hidden: int, keep: int, device: torch.de
     scores = prf_scores(key, tokens, hidden, device)
     idx = torch.topk(scores, keep, dim=1, sorted=False).indices
     return idx.sort(dim=1).values
+
+
+def keep_indices_rows(keys: list[int], positions: torch.Tensor, hidden: int, keep: int) -> torch.Tensor:
+    """(B, T, keep) sorted kept dims where row b's token at column t draws from (``keys[b]``, its position
+    ``positions[b, t]``) alone: a sequence gets the same masks in whatever batch, microbatch or column it
+    sits (the old-log-prob and the update forwards of RL, rollouts left-padded or not)."""
+    device = positions.device
+    k = torch.tensor([int(x) & _M32 for x in keys], dtype=torch.int64, device=device).view(-1, 1, 1)
+    t = positions.to(torch.int64).unsqueeze(-1)
+    d = torch.arange(hidden, dtype=torch.int64, device=device).view(1, 1, -1)
+    h = _mix32(_mix32(t * 0x27D4EB2F + k) ^ (d * 0x165667B1 & _M32))
+    idx = torch.topk(h * hidden + d, keep, dim=-1, sorted=False).indices
+    return idx.sort(dim=-1).values

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AXES = ("pp_fwd", "pp_bwd", "pp_params", "dp", "anchor", "tied")
+# ``rollout``: activations and sampled tokens of generation on the mesh (RL rollouts), beside training's PP bytes
+AXES = ("pp_fwd", "pp_bwd", "pp_params", "dp", "anchor", "tied", "rollout")
 
 
 @dataclass

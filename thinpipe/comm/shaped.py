@@ -124,7 +124,7 @@ class DueQueue:
                     self._cv.notify_all()
 
 
-PP_AXES = ("pp_fwd", "pp_bwd", "pp_params", "tied")
+PP_AXES = ("pp_fwd", "pp_bwd", "pp_params", "tied", "rollout")
 
 
 class MeshLinks:

@@ -26,6 +26,7 @@ from thinpipe.config.errors import ConfigError
 from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
+from thinpipe.config.post import DPOConfig, RLConfig, check_objective
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
 from thinpipe.config.wire import WireConfig
 
@@ -69,6 +70,8 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     wire: WireConfig = field(default_factory=WireConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
 
     def validate(self) -> "Config":
         _finite_numbers(self.to_dict())
@@ -96,6 +99,7 @@ class Config:
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
                               "(the job's replicas): lower it or raise mesh.dp")
+        check_objective(self)
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -84,6 +84,9 @@ class TrainConfig:
     optimizer: str = "adamw"
     """``adamw`` for every parameter, or ``muon``: Muon (Polar Express) for the decoder layers' 2-D
     weights at train.lr and AdamW for the rest at optim.muon.adam_lr_scale x train.lr (MAPL App. E.3)."""
+    objective: str = "sft"
+    """What the step optimises: ``sft`` (next-token loss), ``dpo`` (preference pairs, section ``[dpo]``) or
+    ``gspo`` (RL with verifiable rewards on rollouts sampled on the mesh, section ``[rl]``): anchor-priors App. D."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters via peft (train.lora.rank > 0 turns them on)."""
 
@@ -127,6 +130,8 @@ class TrainConfig:
         if not 0 < self.rollback_lr_factor < 1 or self.max_rollbacks < 0:
             raise ConfigError(f"train.rollback_lr_factor must be in (0, 1) and train.max_rollbacks >= 0, got "
                               f"{self.rollback_lr_factor} and {self.max_rollbacks}")
+        if self.objective not in ("sft", "dpo", "gspo"):
+            raise ConfigError(f"train.objective must be sft, dpo or gspo, got {self.objective!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"train.optimizer must be adamw or muon, got {self.optimizer!r}")
 

@@ -35,6 +35,7 @@ from thinpipe.comm.tags import Params
 from thinpipe.config import Config, ConfigError
 from thinpipe.config.env import dist_timeout_s
 from thinpipe.console import say
+from thinpipe.engine.dist_pipe import DistPipe
 from thinpipe.engine.dist_setup import (
     RankSetup,
     agreed_set,
@@ -48,6 +49,7 @@ from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at
 from thinpipe.placement import to_device
 from thinpipe.rank.context import make_contexts
 from thinpipe.rank.from_config import DTYPES, lr_at, replica_stream, residual_batches, val_batches, wire_dtype
+from thinpipe.rank.objectives import make_objective
 from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries
 from thinpipe.rank.schedule import execute
 from thinpipe.rank.stage_rank import StageRank
@@ -90,6 +92,10 @@ class DistEngine:
         self._complete = -1  # the newest checkpoint set every rank holds
         self._stream = None
         self._fault_at = fault_at_step()  # crash-recovery tests only (thinpipe/faults.py)
+        # after SFT (train.objective = dpo | gspo): the objective's step over this rank (rank/objectives.py)
+        self.pipe = DistPipe(self, r.tokenizer)
+        self.objective = make_objective(cfg, self.pipe, r.train_ds, r.val_ds, r.tokenizer, [r.bounds])
+        self.val_key = self.objective.val_key if self.objective is not None else "val_loss"
 
     # --------------------------------------------------------------------------------------------
     def _gather(self, values: list[float]) -> list[torch.Tensor]:
@@ -103,6 +109,10 @@ class DistEngine:
         """SimMesh.residual_start across ranks: boundary by boundary, replica 0's stages run the
         batches up to the sender, which computes the start; every fast rank holding the boundary
         loads it (a payload broadcast over the fast ranks; not metered, as in the simulation)."""
+        if self.objective is not None:
+            if hasattr(self.objective, "compute_reference"):  # DPO: the starting weights' log-probs, once
+                self.objective.compute_reference()
+            return
         wanted = residual_start_boundaries(self.bounds)
         batches = residual_batches(self.cfg, self.train_ds) if wanted else []
         for p in wanted:
@@ -121,6 +131,8 @@ class DistEngine:
         return step
 
     def tokens_seen(self, step: int) -> int:
+        if self.objective is not None:
+            return self.objective.tokens
         t = self.cfg.train
         return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
 
@@ -131,6 +143,11 @@ class DistEngine:
 
     def train_step(self, step: int) -> float:
         """This rank's share of one step; returns the step's training loss (mean over replicas)."""
+        if self.objective is not None:
+            loss = self.objective.step(step)
+            self.pipe.sync_meters()
+            self.step_index = step + 1
+            return loss
         self.compute_step(step)
         # one collective: every fast rank's loss (the last stages') and byte meter
         mine = self.meter.snapshot()
@@ -172,7 +189,12 @@ class DistEngine:
         each reported them to its stage's fast ranks in its end message; replica 0 counts them once)."""
         return dict(self._bytes)
 
+    def step_metrics(self) -> dict:
+        return self.objective.metrics() if self.objective is not None else {}
+
     def validation_loss(self) -> float:
+        if self.objective is not None:
+            return self.objective.validation()
         out: list[tuple[float, int]] = []
         if self.role.replica == 0:
             for _ in heldout_pass(self.stage, self.in_b, self.out_b, self.eval_transport,
@@ -223,7 +245,8 @@ class DistEngine:
                    "rank": self.rk.state_dict(),
                    "boundaries": {b.index: held_state(b.state_dict())
                                   for b in (self.in_b, self.out_b) if b is not None},
-                   "bytes": self.meter.snapshot(), "anchor": anchor, **extra})
+                   "bytes": self.meter.snapshot(), "anchor": anchor, **extra,
+                   **({"objective": self.objective.state_dict()} if self.objective is not None else {})})
         if step == fault_at_checkpoint() and self.rank == self.layout.dp * self.layout.pp - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {step}")
         dist.barrier(group=self.groups.fast)
@@ -243,6 +266,8 @@ class DistEngine:
                     raise ConfigError(f"--resume: boundary {b.index}'s checkpoint does not match this run "
                                       f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
         self.load_rank(state)
+        if self.objective is not None:
+            self.objective.load_state_dict(state.pop("objective"))
         # The receiver's copy of shared boundary parameters equals the owner's again (not metered:
         # a resume re-sync, not training traffic).
         row = self.role.replica

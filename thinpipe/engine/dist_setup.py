@@ -43,6 +43,9 @@ def check_supported(cfg: Config) -> None:
                           "diverged weights' priors): set train.on_divergence = stop, or roll back in the simulation")
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
+    if cfg.train.objective != "sft" and cfg.train.on_divergence == "rollback":
+        raise ConfigError(f"--engine dist cannot roll back a train.objective = {cfg.train.objective} run yet: set "
+                          "train.on_divergence = stop, or roll back in the simulation")
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class RankSetup:
     hidden_size: int
     actions: list           # this stage's row of the pipeline schedule
     device: torch.device    # where this rank computes
+    tokenizer: object = None  # the model's (an objective after SFT decodes rollouts with it)
 
     @staticmethod
     def build(cfg: Config, layout: MeshLayout | None = None) -> RankSetup:
@@ -82,7 +86,7 @@ class RankSetup:
             move(module, device)  # after attach: the owned boundary modules move with their stage
         groups = ProcessGroups.build(layout)  # every process, every group, the same order
         return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
-                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device)
+                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device, loaded.tokenizer)
 
 
 def held_state(state: dict) -> dict:

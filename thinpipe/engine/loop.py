@@ -54,6 +54,10 @@ class Engine(Protocol):
     def load(self, folder: Path) -> tuple[int, dict]: ...      # (step, extra)
     def finish(self) -> None: ...
     def summary_extras(self) -> dict: ...
+    # after SFT (train.objective): the held-out measure's row key (``val_loss``, GSPO's ``val_accuracy``) and
+    # the objective's own metrics of the last step (rank/dpo.py, rank/gspo.py); SFT: "val_loss" and {}
+    val_key: str
+    def step_metrics(self) -> dict: ...
 
 
 def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
@@ -72,7 +76,7 @@ def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
     return saved
 
 
-def plot_losses(metrics: list[dict], val_points: list, path: Path, title: str) -> None:
+def plot_losses(metrics: list[dict], val_points: list, path: Path, val_key: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,10 +84,12 @@ def plot_losses(metrics: list[dict], val_points: list, path: Path, title: str) -
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1, label="train (compressed circuit)")
-    if val_points:
+    if val_points and val_key == "val_loss":
         ax.plot(*zip(*val_points), "o-", label="held-out (unmasked)")
+    elif val_points:  # an accuracy: its own axis
+        ax.twinx().plot(*zip(*val_points), "o-", color="C1", label="held-out accuracy (greedy)")
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
+    ax.set_ylabel("loss (nats/token)" if metrics and "reward_mean" not in metrics[-1] else "loss")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -102,6 +108,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     """Train ``engine`` as configured; the lead returns the summary (also in ``out/summary.json``)."""
     t = cfg.train
     ckpt = out / "checkpoint"
+    vk = getattr(engine, "val_key", "val_loss")
     start, val_points = 0, []
     if resume:
         with restoring(ckpt):  # a hand-edited part whose digests verify: one line (checkpoint.py)
@@ -146,12 +153,13 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
                        "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
                        "wall_s": time.perf_counter() - wall0}
+                row.update(_step_metrics(engine))
                 diag = engine.diagnostics()
                 if diag is not None:
                     row["diag"] = diag
                 if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
-                    row["val_loss"] = engine.validation_loss()
-                    val_points.append((step + 1, row["val_loss"]))
+                    row[vk] = engine.validation_loss()
+                    val_points.append((step + 1, row[vk]))
                     energy = engine.captured_energy()
                     if energy:
                         row["captured_energy"] = energy
@@ -160,8 +168,8 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 f.flush()
                 dash.log(row)
                 bar.update(1)
-                if "val_loss" in row:
-                    shown["val"] = f"{row['val_loss']:.3f}"
+                if vk in row:
+                    shown["val"] = f"{row[vk]:.3f}"
                 bar.set_postfix(loss=f"{loss:.3f}", val=shown["val"], lr=f"{row['lr']:.2e}",
                                 wire=_rate(sum(b[a] for a in AXES), row["wall_s"]))
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
@@ -200,8 +208,9 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     tokens = engine.tokens_seen(t.steps - 1)
     summary = {
         "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
-        "initial_val_loss": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
-        "final_val_loss": final_val, "val_ppl": math.exp(final_val),
+        f"initial_{vk}": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
+        f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if vk == "val_loss" else {}),
+        "objective": t.objective,
         **{f"{a}_bytes": b[a] for a in AXES}, "bytes_per_token": {a: b[a] / tokens for a in AXES},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
         **extras, "val_points": val_points,
@@ -209,14 +218,19 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
     # belongs to the last row's step
-    dash.log({"step": t.steps - 1, "val_loss": final_val})
+    dash.log({"step": t.steps - 1, vk: final_val})
     dash.summary(summary, t.steps - 1)
     dash.close()
     b_cfg = cfg.boundary
-    plot_losses(metrics, val_points, out / "loss.png",
+    plot_losses(metrics, val_points, out / "loss.png", vk,
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
                 f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
     return summary
+
+
+def _step_metrics(engine) -> dict:
+    fn = getattr(engine, "step_metrics", None)
+    return fn() if fn is not None else {}
 
 
 def _rate(nbytes: float, seconds: float) -> str:

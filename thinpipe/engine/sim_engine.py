@@ -18,6 +18,7 @@ from thinpipe.config import Config, ConfigError
 from thinpipe.console import say
 from thinpipe.engine.loop import resolve_resume, run
 from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.engine.sim_pipe import SimPipe
 from thinpipe.rank.from_config import (
     anchor_stream,
     build_data,
@@ -27,6 +28,7 @@ from thinpipe.rank.from_config import (
     residual_batches,
     val_batches,
 )
+from thinpipe.rank.objectives import make_objective
 
 
 def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
@@ -54,8 +56,16 @@ class SimEngine:
         self.mesh = SimMesh(loaded.model, cfg, self.device)
         self.world_size = (cfg.mesh.dp + cfg.mesh.anchor) * cfg.mesh.pp
         self._streams = None
+        # after SFT (train.objective = dpo | gspo): the objective's step over every replica (rank/objectives.py)
+        self.objective = make_objective(cfg, SimPipe(self.mesh, loaded.tokenizer), self.train_ds, self.val_ds,
+                                        loaded.tokenizer, self.mesh.replica_boundaries)
+        self.val_key = self.objective.val_key if self.objective is not None else "val_loss"
 
     def residual_start(self) -> None:
+        if self.objective is not None:
+            if hasattr(self.objective, "compute_reference"):  # DPO: the starting weights' log-probs, once
+                self.objective.compute_reference()
+            return
         if any(b.wants_residual_init for b in self.mesh.boundaries):
             self.mesh.residual_start(residual_batches(self.cfg, self.train_ds))
 
@@ -63,11 +73,17 @@ class SimEngine:
         return step
 
     def tokens_seen(self, step: int) -> int:
+        if self.objective is not None:
+            return self.objective.tokens
         t = self.cfg.train
         return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
 
     def train_step(self, step: int) -> float:
         mesh, cfg = self.mesh, self.cfg
+        if self.objective is not None:
+            loss = self.objective.step(step)
+            mesh.step_index = step + 1
+            return loss
         if self._streams is None:  # from the step the run starts (or resumes) at
             self._streams = [replica_stream(cfg, self.train_ds, r, step) for r in range(cfg.mesh.dp)]
             self._anchor = anchor_stream(cfg, self.train_ds, step) if mesh.anchor is not None else None
@@ -80,7 +96,12 @@ class SimEngine:
     def bytes_total(self) -> dict[str, int]:
         return self.mesh.meter.snapshot()
 
+    def step_metrics(self) -> dict:
+        return self.objective.metrics() if self.objective is not None else {}
+
     def validation_loss(self) -> float:
+        if self.objective is not None:
+            return self.objective.validation()
         return mesh_validation_loss(self.mesh, self.val_ds, self.cfg.train.batch_size)
 
     def captured_energy(self) -> dict | None:
@@ -104,6 +125,8 @@ class SimEngine:
         return all(bool(torch.isfinite(p).all()) for rk in self.mesh.all_ranks() for p in rk.stage.parameters())
 
     def save(self, folder: Path, extra: dict) -> None:
+        if self.objective is not None:
+            extra = {**extra, "objective": self.objective.state_dict()}
         save_part(step_dir(folder, self.mesh.step_index), "mesh", {"mesh": self.mesh.state_dict(), **extra})
         prune(folder, self.cfg.train.keep_checkpoints, ["mesh"])
 
@@ -114,6 +137,8 @@ class SimEngine:
             raise ConfigError(f"--resume: no checkpoint in {folder}; start without --resume")
         _, state = found
         self.mesh.load_state_dict(state.pop("mesh"))
+        if self.objective is not None:
+            self.objective.load_state_dict(state.pop("objective"))
         self._streams = None  # the data streams restart at the loaded step (a resume, or a rollback)
         return self.mesh.step_index, state
 

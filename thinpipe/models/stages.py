@@ -98,14 +98,22 @@ class Stage(nn.Module):
         h = self.hidden_states(x, ctx)
         if not self.is_last:
             return h
+        if getattr(ctx, "loss_fn", None) is not None:  # an objective after SFT (thinpipe/objective/)
+            return ctx.loss_fn(self.logits(h).float(), ctx)
         return next_token_loss(self.logits(h).float(), ctx.labels) * ctx.loss_scale
 
-    def hidden_states(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        """(embed?) -> this stage's layers: hidden states (B, T, H)."""
+    def hidden_states(self, x: torch.Tensor, ctx, cache=None) -> torch.Tensor:
+        """(embed?) -> this stage's layers: hidden states (B, T, H).
+
+        ``cache``: the keys and values of this stage's layers so far (incremental decoding,
+        ``rank/generation.py``), which Hugging Face attention extends by each layer's own ``layer_idx``
+        (the global layer number, so one stage's cache holds its layers alone); ``ctx.attn_mask`` is
+        then (B, 1, T, cached + T) and ``ctx.position_ids`` the new tokens' positions."""
         h = self.embed_tokens(x) if self.is_first else x
         pos = self.rotary_emb(h, ctx.position_ids)
+        kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
         for layer in self.layers.values():
-            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos)
+            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos, **kv)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

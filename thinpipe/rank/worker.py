@@ -48,6 +48,10 @@ class StageWorker:
             self.transport.send(Activation(self.replica, self.out_boundary.index, ctx.microbatch), payload,
                                 self.fwd_axis)
 
+    def clear_saved(self) -> None:
+        """Forget what forwards kept for their backwards (after forward-only passes)."""
+        self._saved.clear()
+
     def backward(self, ctx) -> None:
         saved = self._saved.pop(ctx.microbatch)
         if self.stage.is_last:

@@ -1,0 +1,134 @@
+"""DPO on the mesh (anchor-priors App. D; Rafailov et al. 2023), one step written once over a ``Pipe``
+(``rank/pipe.py``: the simulation's replicas, or one rank of the real mesh).
+
+Rows come in pairs (row 2i chosen, 2i + 1 rejected: ``data/preferences.py``) and a microbatch holds whole
+pairs, so each pair's loss is computed where both its sequences are: a sequence's log-prob is the sum over its
+completion tokens. The reference log-probs are those of the starting weights, computed once before the first
+step through dense boundaries (boundaries that are part of the model stay: they are the model), by the
+training forward, and kept in the last stage's checkpoint part, so a resume does not recompute them.
+``train.batch_size`` is pairs per step per fast replica; the held-out loss is the DPO loss on held-out pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from thinpipe.data.preferences import pair_batches
+from thinpipe.objective.losses import dpo_loss, response_logprobs
+from thinpipe.rank.from_config import lr_at
+from thinpipe.rank.pipe import Pipe, chunk_contexts, trim_padding
+
+STATS = ("pairs", "loss_sum", "margin_sum", "wins", "tokens")
+
+
+def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) sum over each row's completion tokens of log p(token | prefix)."""
+    logp, _ = response_logprobs(logits, labels)
+    return logp.sum(-1)
+
+
+class Dpo:
+    val_key = "val_loss"
+
+    def __init__(self, cfg, pipe: Pipe, train_ds, val_ds):
+        self.cfg, self.pipe, self.train_ds, self.val_ds = cfg, pipe, train_ds, val_ds
+        self.ref = {"train": torch.zeros(0, 2, dtype=torch.float32), "val": torch.zeros(0, 2, dtype=torch.float32)}
+        self._streams: dict[int, object] = {}
+        self.last: dict[str, float] = {}
+        self.tokens = 0  # trained (non-padding) tokens of the whole mesh so far
+
+    @property
+    def pairs_per_forward(self) -> int:
+        t = self.cfg.train
+        return t.batch_size // t.microbatches
+
+    # ------------------------------------------------------------------------- the reference
+    def _pass(self, ds, replica: int, loss_fn, step: int) -> list:
+        """Every pair of ``ds`` forward through ``replica``'s pipeline on eval boundaries, ``loss_fn`` recording."""
+        ctxs = []
+        for start in range(0, len(ds), self.pairs_per_forward):
+            batch = trim_padding(ds.rows(slice(start, start + self.pairs_per_forward)))
+            rows = chunk_contexts(batch, batch["input_ids"].shape[0], step, replica, 1.0)
+            for c in rows:
+                c.extras["pair_ids"] = batch["pair_ids"][0::2]
+                c.loss_fn = loss_fn
+            ctxs += rows
+        self.pipe.forward(replica, ctxs, "eval")
+        return ctxs
+
+    def compute_reference(self) -> None:
+        """The starting weights' sequence log-probs of every training and held-out pair: the replica of this
+        process (replica 0 in the simulation, where every replica starts from the same weights)."""
+        def record(logits, ctx):
+            ctx.extras["seq"] = sequence_logprobs(logits, ctx.labels).detach()
+            return logits.new_zeros(())
+
+        r = self.pipe.replicas[0]
+        for split, ds in (("train", self.train_ds), ("val", self.val_ds)):
+            ctxs = self._pass(ds, r, record, 0)
+            if self.pipe.holds_last:
+                self.ref[split] = torch.cat([c.extras["seq"].view(-1, 2) for c in ctxs]).float().cpu() \
+                    if ctxs else torch.zeros(0, 2)
+
+    # ----------------------------------------------------------------------------- a step
+    def _loss_fn(self, split: str):
+        beta = self.cfg.dpo.beta
+        ref_all = self.ref[split]
+
+        def loss(logits, ctx):
+            seq = sequence_logprobs(logits, ctx.labels)
+            ref = ref_all[ctx.extras["pair_ids"].cpu()].to(seq.device)
+            losses, chosen, rejected = dpo_loss(seq[0::2], seq[1::2], ref[:, 0], ref[:, 1], beta)
+            ctx.stats.update(pairs=float(losses.numel()), loss_sum=float(losses.detach().sum()),
+                             tokens=float(ctx.extras.get("real_tokens", 0)),
+                             margin_sum=float((chosen - rejected).sum()), wins=float((chosen > rejected).sum()))
+            return losses.sum() * ctx.loss_scale
+
+        return loss
+
+    def restart_streams(self) -> None:
+        self._streams = {}
+
+    def step(self, step: int) -> float:
+        cfg, pipe = self.cfg, self.pipe
+        ctxs: dict[int, list] = {}
+        for r in pipe.replicas:
+            if r not in self._streams:
+                self._streams[r] = pair_batches(self.train_ds, cfg.train.batch_size, cfg.train.seed, shard=r,
+                                                num_shards=cfg.mesh.dp, start_step=step)
+            batch = trim_padding(next(self._streams[r]))
+            rows = chunk_contexts(batch, 2 * self.pairs_per_forward, step, r, 1.0 / cfg.train.batch_size)
+            for c, start in zip(rows, range(0, batch["pair_ids"].numel(), 2 * self.pairs_per_forward)):
+                c.extras["pair_ids"] = batch["pair_ids"][start:start + 2 * self.pairs_per_forward][0::2]
+                rows_of = slice(start, start + 2 * self.pairs_per_forward)
+                c.extras["real_tokens"] = int((batch["segment_ids"][rows_of] >= 0).sum())
+                c.loss_fn = self._loss_fn("train")
+            ctxs[r] = rows
+        pipe.update(step, lr_at(cfg, step), ctxs)
+        total = dict(zip(STATS, pipe.sum_stats(self._sums(ctxs))))
+        n = max(total["pairs"], 1.0)
+        self.tokens += int(total["tokens"])
+        self.last = {"dpo_margin": total["margin_sum"] / n, "dpo_accuracy": total["wins"] / n}
+        return total["loss_sum"] / n
+
+    def _sums(self, ctxs: dict[int, list]) -> list[float]:
+        if not self.pipe.holds_last:
+            return [0.0] * len(STATS)
+        return [sum(c.stats.get(k, 0.0) for rows in ctxs.values() for c in rows) for k in STATS]
+
+    def validation(self) -> float:
+        """The DPO loss on the held-out pairs (replica 0; eval boundaries, as the SFT held-out loss)."""
+        ctxs = {0: self._pass(self.val_ds, 0, self._loss_fn("val"), 0)} if 0 in self.pipe.replicas else {}
+        total = dict(zip(STATS, self.pipe.sum_stats(self._sums(ctxs))))
+        return total["loss_sum"] / max(total["pairs"], 1.0)
+
+    def metrics(self) -> dict:
+        return dict(self.last)
+
+    def state_dict(self) -> dict:
+        return {"reference": dict(self.ref), "tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ref = {k: v.float() for k, v in state["reference"].items()}
+        self.tokens = int(state.get("tokens", 0))
+        self.restart_streams()

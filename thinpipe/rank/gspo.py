@@ -1,0 +1,204 @@
+"""GSPO with verifiable rewards on the mesh (anchor-priors App. D; Zheng et al. 2025, GSPO), one step written
+once over a ``Pipe`` (``rank/pipe.py``: the simulation's replicas, or one rank of the real mesh).
+
+A step, per fast replica: ``rl.prompts_per_step`` prompts from its shard, ``rl.group_size`` rollouts of each
+sampled on the mesh from the current weights (through dense boundaries, or the training ones), a math answer
+reward plus DAPO's overlong shaping, GRPO advantages (rewards standardised within each group); the old
+log-probs recomputed by the training forward (as VeRL does), then ``rl.minibatches`` updates of the clipped
+objective, each on its share of the sequences (``objective/losses.py: policy_loss``, seq-mean-token-mean:
+each sequence's token mean, summed with weight 1 / sequences of the update; DP averages over replicas).
+
+Exactness the compressed mesh keeps: every forward of a sequence draws its random masks from the PRF keyed by
+(seed, boundary, step, sequence) and the token's position (``ctx.row_keys``), never by its microbatch, so the
+old-log-prob forward and the first update's forward compute the same numbers and the first log-ratio is exactly
+0 for every kind without forward state; a kind whose forward changes its state is refused.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from thinpipe.boundary.prf import prf_key
+from thinpipe.config import ConfigError
+from thinpipe.data.loader import derive_seed
+from thinpipe.data.prompts import prompt_batches
+from thinpipe.objective.losses import group_advantages, policy_loss, response_logprobs, token_entropy
+from thinpipe.objective.rewards import math_reward, overlong_penalty
+from thinpipe.rank.from_config import lr_at
+from thinpipe.rank.generation import Sampling
+from thinpipe.rank.pipe import Pipe, chunk_contexts, rollout_rows
+
+# what the last stages sum over a step, in this order (Pipe.sum_stats)
+STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_tokens", "gen_s", "clipped",
+         "tokens", "entropy_sum", "loss_sum", "updates", "trained_tokens")
+
+
+def check_rl_boundaries(bounds) -> None:
+    """One line for a boundary kind whose forward changes its state (two forwards of a sequence would differ)."""
+    for b in bounds:
+        if b.forward_state:
+            raise ConfigError(f"boundary.kind = {b.kind} changes its state in every forward (so a sequence's "
+                              "old-log-prob and update forwards would differ): train.objective = gspo refuses it; "
+                              "use another kind (mask, quant4, outlier, mapl, ...)")
+
+
+def row_keys(step: int, replica: int, n: int) -> torch.Tensor:
+    """The PRF key of each of a replica's ``n`` sequences at ``step`` (sequence ids global over replicas)."""
+    return torch.tensor([prf_key(step, replica * n + i) for i in range(n)], dtype=torch.int64)
+
+
+def sampling(cfg, step: int, replica: int, eos_ids: list[int]) -> Sampling:
+    """The rollouts' sampling: seeded by (seed, step, replica), so a resumed run draws what it would have."""
+    rl = cfg.rl
+    return Sampling(max_new_tokens=rl.max_response_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                    top_k=rl.top_k, seed=derive_seed(cfg.train.seed, "rollout", step, replica), stop=[],
+                    eos_ids=eos_ids)
+
+
+def rewards_of(texts: list[str], answers: list[str], lengths: list[int], rl) -> tuple[torch.Tensor, torch.Tensor]:
+    """(shaped rewards, correctness) of each response: 1 for a correct answer, plus DAPO's overlong shaping."""
+    correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)], dtype=torch.float64)
+    shaped = torch.tensor([overlong_penalty(n, rl.max_response_tokens, rl.overlong_buffer, rl.overlong_penalty)
+                           for n in lengths], dtype=torch.float64)
+    return correct + shaped, correct
+
+
+class Gspo:
+    """The GSPO objective of the process driving ``pipe`` (every process computes rewards itself: each knows
+    its replicas' prompts and the sampled tokens; only the last stage holds log-probs)."""
+
+    val_key = "val_accuracy"
+
+    def __init__(self, cfg, pipe: Pipe, train_ds, val_ds, tokenizer, bounds_by_replica: list):
+        self.cfg, self.pipe, self.train_ds, self.val_ds, self.tokenizer = cfg, pipe, train_ds, val_ds, tokenizer
+        for bounds in bounds_by_replica:
+            check_rl_boundaries(bounds)
+        eos = tokenizer.eos_token_id
+        self.eos_ids = [eos] if eos is not None else []
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
+        self._streams: dict[int, object] = {}
+        self.last: dict[str, float] = {}
+        self.tokens = 0  # trained (non-padding) tokens of the whole mesh so far
+
+    # ------------------------------------------------------------------------------------ a step
+    def _loss_fn(self, old: bool):
+        rl = self.cfg.rl
+
+        def record_old(logits, ctx):
+            ctx.extras["old_logp"] = response_logprobs(logits, ctx.labels)[0].detach()
+            return logits.new_zeros(())
+
+        def loss(logits, ctx):
+            logp, mask = response_logprobs(logits, ctx.labels)
+            per_seq, st = policy_loss(logp, ctx.extras["old_logp"], mask, ctx.extras["advantages"], rl.clip_low,
+                                      rl.clip_high, rl.ratio_level, ctx.extras.get("ref_logp"), rl.kl_beta)
+            ent = token_entropy(logits, ctx.labels)
+            ctx.stats.update(clipped=float(st["clipped"]), tokens=float(st["tokens"]),
+                             entropy_sum=float(ent[mask].sum()))
+            return per_seq.sum() * ctx.loss_scale
+
+        return record_old if old else loss
+
+    def _stream(self, r: int, step: int):
+        if r not in self._streams:
+            self._streams[r] = prompt_batches(self.train_ds, self.cfg.rl.prompts_per_step, self.cfg.train.seed,
+                                              shard=r, num_shards=self.cfg.mesh.dp, start_step=step)
+        return self._streams[r]
+
+    def restart_streams(self) -> None:
+        """After a load: the prompt streams restart at the loaded step."""
+        self._streams = {}
+
+    def step(self, step: int) -> float:
+        cfg, rl, pipe = self.cfg, self.cfg.rl, self.pipe
+        n, per_update = rl.sequences, rl.sequences // rl.minibatches
+        acc = dict.fromkeys(STATS, 0.0)
+        ctxs: dict[int, list] = {}
+        for r in pipe.replicas:
+            idx = next(self._stream(r, step))
+            prompts = [self.train_ds.prompts[i] for i in idx for _ in range(rl.group_size)]
+            answers = [self.train_ds.answers[i] for i in idx for _ in range(rl.group_size)]
+            keys = row_keys(step, r, n)
+            t0 = time.perf_counter()
+            responses = pipe.generate(r, prompts, sampling(cfg, step, r, self.eos_ids), rl.rollout_boundaries,
+                                      keys if rl.rollout_boundaries == "train" else None, step, "rollout")
+            gen_s = time.perf_counter() - t0
+            texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
+            lengths = [len(resp) for resp in responses]
+            rewards, correct = rewards_of(texts, answers, lengths, rl)
+            adv = group_advantages(rewards.float(), rl.group_size, rl.scale_rewards)
+            batch = rollout_rows(prompts, responses, self.pad_id)
+            rows = chunk_contexts(batch, cfg.train.batch_size, step, r, 1.0 / per_update, keys)
+            for c in rows:
+                c.loss_fn = self._loss_fn(old=True)
+            pipe.forward(r, rows, "train")  # the old log-probs, by the training forward (last stage)
+            for c, sl in zip(rows, range(0, n, cfg.train.batch_size)):
+                c.extras["advantages"] = adv[sl:sl + cfg.train.batch_size]
+                c.loss_fn = self._loss_fn(old=False)
+            ctxs[r] = rows
+            if pipe.holds_last:
+                acc["sequences"] += n
+                acc["reward_sum"] += float(rewards.sum())
+                acc["reward_sq"] += float((rewards ** 2).sum())
+                acc["correct"] += float(correct.sum())
+                acc["response_tokens"] += sum(lengths)
+                acc["gen_tokens"] += sum(lengths)
+                acc["gen_s"] += gen_s
+                acc["trained_tokens"] += int((batch["segment_ids"] >= 0).sum())
+        per = per_update // cfg.train.batch_size
+        losses = []
+        for m in range(rl.minibatches):
+            mine = {r: rows[m * per:(m + 1) * per] for r, rows in ctxs.items()}
+            for rows in mine.values():
+                for i, c in enumerate(rows):
+                    c.microbatch = i  # a worker keys its saved tensors by the microbatch of the update
+            losses.append(pipe.update(step * rl.minibatches + m, lr_at(cfg, step), mine))
+            if pipe.holds_last:
+                for rows in mine.values():
+                    for c in rows:
+                        for k in ("clipped", "tokens", "entropy_sum"):
+                            acc[k] += c.stats.get(k, 0.0)
+        acc["loss_sum"] = sum(losses) if pipe.holds_last else 0.0
+        acc["updates"] = float(rl.minibatches * len(pipe.replicas)) if pipe.holds_last else 0.0
+        total = dict(zip(STATS, pipe.sum_stats([acc[k] for k in STATS])))
+        self.tokens += int(total["trained_tokens"])
+        self.last = metrics_of(total)
+        return self.last.pop("_loss")
+
+    # ----------------------------------------------------------------------------- held out
+    def validation(self) -> float:
+        """Greedy accuracy of replica 0 on the held-out prompts (dense boundaries unless part of the model)."""
+        ds = self.val_ds
+        mine = [0.0, 0.0]
+        if 0 in self.pipe.replicas and len(ds):
+            greedy = Sampling(max_new_tokens=self.cfg.rl.max_response_tokens, temperature=0.0, eos_ids=self.eos_ids)
+            responses = self.pipe.generate(0, list(ds.prompts), greedy, "dense", None, 0, None)
+            texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
+            if self.pipe.holds_last:
+                mine = [sum(math_reward(t, a) for t, a in zip(texts, ds.answers)), float(len(ds))]
+        right, n = self.pipe.sum_stats(mine)
+        return right / max(n, 1.0)
+
+    def metrics(self) -> dict:
+        return dict(self.last)
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens = int(state.get("tokens", 0))
+        self.restart_streams()
+
+
+def metrics_of(t: dict) -> dict:
+    """A step's metrics from the summed stats (every replica's sequences weigh alike)."""
+    n = max(t["sequences"], 1.0)
+    mean = t["reward_sum"] / n
+    var = max(t["reward_sq"] / n - mean * mean, 0.0)
+    return {"_loss": t["loss_sum"] / max(t["updates"], 1.0) if t["updates"] else 0.0,
+            "reward_mean": mean, "reward_std": var ** 0.5, "accuracy": t["correct"] / n,
+            "clip_fraction": t["clipped"] / max(t["tokens"], 1.0), "response_len": t["response_tokens"] / n,
+            "entropy": t["entropy_sum"] / max(t["tokens"], 1.0),
+            "gen_tokens_per_s": t["gen_tokens"] / t["gen_s"] if t["gen_s"] > 0 else 0.0}
