@@ -144,6 +144,8 @@ class DistEngine:
     def train_step(self, step: int) -> float:
         """This rank's share of one step; returns the step's training loss (mean over replicas)."""
         if self.objective is not None:
+            if step == self._fault_at:
+                raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
             loss = self.objective.step(step)
             self.pipe.sync_meters()
             self.step_index = step + 1

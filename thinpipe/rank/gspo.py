@@ -81,6 +81,9 @@ class Gspo:
         self._streams: dict[int, object] = {}
         self.last: dict[str, float] = {}
         self.tokens = 0  # trained (non-padding) tokens of the whole mesh so far
+        # the largest |log-ratio| of this process's sequences in the step's first update: exactly 0 when the
+        # old-log-prob forward and the update forward agree (the tests' check of the masks' keys)
+        self.first_update_log_ratio = 0.0
 
     # ------------------------------------------------------------------------------------ a step
     def _loss_fn(self, old: bool):
@@ -96,7 +99,7 @@ class Gspo:
                                       rl.clip_high, rl.ratio_level, ctx.extras.get("ref_logp"), rl.kl_beta)
             ent = token_entropy(logits, ctx.labels)
             ctx.stats.update(clipped=float(st["clipped"]), tokens=float(st["tokens"]),
-                             entropy_sum=float(ent[mask].sum()))
+                             entropy_sum=float(ent[mask].sum()), log_ratio_max=float(st["log_ratio_abs_max"]))
             return per_seq.sum() * ctx.loss_scale
 
         return record_old if old else loss
@@ -160,6 +163,9 @@ class Gspo:
                     for c in rows:
                         for k in ("clipped", "tokens", "entropy_sum"):
                             acc[k] += c.stats.get(k, 0.0)
+                if m == 0:
+                    self.first_update_log_ratio = max(c.stats.get("log_ratio_max", 0.0) for rows in mine.values()
+                                                      for c in rows)
         acc["loss_sum"] = sum(losses) if pipe.holds_last else 0.0
         acc["updates"] = float(rl.minibatches * len(pipe.replicas)) if pipe.holds_last else 0.0
         total = dict(zip(STATS, pipe.sum_stats([acc[k] for k in STATS])))

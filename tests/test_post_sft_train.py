@@ -1,0 +1,199 @@
+"""DPO and GSPO through the run loop (anchor-priors App. D): in the simulation, with every boundary kind that
+has no forward state; the exactness RL needs of a compressed mesh (the first update's log-ratio is exactly 0);
+resume; the refusals. dist == sim for both objectives is in tests/test_post_sft_dist.py."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from tests.helpers import config
+from thinpipe.cli import main
+from thinpipe.config import ConfigError
+from thinpipe.engine.sim_engine import SimEngine
+from thinpipe.rank.dpo import Dpo
+from thinpipe.rank.gspo import Gspo
+
+
+def prompts_file(folder, n=40, seed=0):
+    r = random.Random(seed)
+    path = folder / "prompts.jsonl"
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = r.randint(0, 4), r.randint(0, 4)
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    return path
+
+
+def pairs_file(folder, n=40, seed=0):
+    r = random.Random(seed)
+    path = folder / "pairs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(n):
+            a, b = r.randint(0, 9), r.randint(0, 9)
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}) + "\n")
+    return path
+
+
+def gspo_sets(path, **more):
+    return {"model.name": "tiny-llama", "data.name": str(path), "train.objective": "gspo", "train.steps": 2,
+            "train.seq_len": 48, "rl.max_response_tokens": 12, "mesh.pp": 2, "train.batch_size": 4,
+            "train.lr": 1e-3, "data.val_fraction": 0.2, "data.val_rows": 4, "train.checkpoint_every": 0, **more}
+
+
+def dpo_sets(path, **more):
+    return {"model.name": "tiny-llama", "data.name": str(path), "train.objective": "dpo", "train.steps": 3,
+            "train.seq_len": 32, "mesh.pp": 2, "train.batch_size": 4, "train.microbatches": 2, "train.lr": 1e-3,
+            "data.val_fraction": 0.2, "data.val_rows": 4, "train.checkpoint_every": 0, **more}
+
+
+def as_args(sets: dict) -> list[str]:
+    return [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+
+
+def rows(folder):
+    return [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+STATELESS = {"identity": {}, "mask": {"boundary.kind": "mask", "boundary.p": 0.9},
+             "quant4": {"boundary.kind": "quant4"}, "topk": {"boundary.kind": "topk", "boundary.p": 0.5},
+             "outlier": {"boundary.kind": "outlier", "boundary.outlier_channels": 4, "boundary.quant_group": 16},
+             "bottleneck": {"boundary.kind": "bottleneck", "boundary.p": 0.75},
+             "mapl": {"boundary.kind": "mapl", "boundary.rank": 8}, "ssn": {"boundary.kind": "ssn", "boundary.rank": 8}}
+
+
+@pytest.mark.parametrize("kind", list(STATELESS))
+@pytest.mark.parametrize("layout", [{"train.batch_size": 4}, {"train.batch_size": 2, "rl.minibatches": 2},
+                                    {"train.batch_size": 8, "rl.rollout_boundaries": "train"}])
+def test_the_first_update_log_ratio_is_exactly_zero(tmp_path, kind, layout):
+    """Old log-probs (a forward-only pass) and the first update's forward compute the same numbers: the PRF
+    draws a sequence's masks from its (step, sequence) key, whatever microbatch it sits in."""
+    cfg = config(**gspo_sets(prompts_file(tmp_path), **STATELESS[kind], **layout))
+    engine = SimEngine(cfg)
+    for step in range(2):
+        engine.train_step(step)
+        assert engine.objective.first_update_log_ratio == 0.0
+        m = engine.step_metrics()
+        assert m["response_len"] > 0 and math.isfinite(m["entropy"]) and 0 <= m["clip_fraction"] <= 1
+
+
+@pytest.mark.parametrize("kind", [{"boundary.kind": "aqsgd"},
+                                  {"boundary.kind": "mapl-vq", "boundary.rank": 8, "boundary.vq_codes": 16}])
+def test_a_kind_whose_forward_changes_its_state_is_refused_with_gspo(tmp_path, kind):
+    with pytest.raises(ConfigError) as e:
+        SimEngine(config(**gspo_sets(prompts_file(tmp_path), **kind)))
+    assert "changes its state" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_gspo_rows_hold_the_rl_metrics_and_rollout_bytes(tmp_path):
+    sets = gspo_sets(prompts_file(tmp_path), **{"eval.every": 1, "train.steps": 3, "rl.minibatches": 2,
+                                                "boundary.kind": "mask", "boundary.p": 0.5})
+    assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
+    got = rows(tmp_path / "run")
+    keys = {"reward_mean", "reward_std", "accuracy", "clip_fraction", "response_len", "entropy", "gen_tokens_per_s",
+            "rollout_bytes", "pp_fwd_bytes", "loss", "grad_norm"}
+    assert all(keys <= set(r) for r in got)
+    assert "val_accuracy" in got[0] and "val_loss" not in got[0]
+    # rollouts are metered beside training's bytes, and the held-out generation is not metered
+    per_step = [b - a for a, b in zip([0] + [r["rollout_bytes"] for r in got], [r["rollout_bytes"] for r in got])]
+    assert all(x > 0 for x in per_step)
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0 <= s["final_val_accuracy"] <= 1 and s["objective"] == "gspo" and "val_ppl" not in s
+
+
+def test_dpo_starts_at_log_2_with_dense_boundaries_and_its_reference_is_the_start(tmp_path):
+    """At the first step the policy is the reference: every implicit reward is 0, the loss is log 2."""
+    sets = dpo_sets(pairs_file(tmp_path), **{"train.steps": 1})
+    engine = SimEngine(config(**sets))
+    engine.residual_start()
+    ref = engine.objective.ref["train"]
+    assert ref.shape == (len(engine.train_ds), 2) and (ref < 0).all()
+    loss = engine.train_step(0)
+    assert abs(loss - math.log(2)) < 1e-6
+    assert engine.step_metrics()["dpo_margin"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_dpo_trains_and_writes_its_metrics(tmp_path):
+    sets = dpo_sets(pairs_file(tmp_path), **{"train.steps": 8, "eval.every": 4, "train.lr": 3e-3})
+    assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
+    got = rows(tmp_path / "run")
+    assert all({"dpo_margin", "dpo_accuracy"} <= set(r) for r in got) and "val_loss" in got[3]
+    assert got[-1]["loss"] < got[0]["loss"] and got[-1]["dpo_margin"] > 0
+
+
+@pytest.mark.parametrize("objective", ["gspo", "dpo"])
+def test_a_resumed_run_continues_the_same_trajectory(tmp_path, monkeypatch, objective):
+    make, sets = (prompts_file, gspo_sets) if objective == "gspo" else (pairs_file, dpo_sets)
+    cls = Gspo if objective == "gspo" else Dpo
+    args = as_args(sets(make(tmp_path), **{"train.steps": 4, "train.checkpoint_every": 2, "boundary.kind": "mask",
+                                          "boundary.p": 0.5, "mesh.dp": 2}))
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert main(["train", "--out", str(full), "--quiet", *args]) == 0
+    real = cls.step
+
+    def crash(self, step):
+        if step == 3:
+            raise RuntimeError("simulated crash")
+        return real(self, step)
+
+    monkeypatch.setattr(cls, "step", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        main(["train", "--out", str(part), "--quiet", *args])
+    monkeypatch.setattr(cls, "step", real)
+    if objective == "dpo":  # the reference log-probs come from the checkpoint
+        monkeypatch.setattr(Dpo, "compute_reference", lambda self: pytest.fail("recomputed on resume"))
+    assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
+    a, b = rows(full), rows(part)
+    drop = ("wall_s", "gen_tokens_per_s")
+    assert [{k: v for k, v in r.items() if k not in drop} for r in a] == \
+        [{k: v for k, v in r.items() if k not in drop} for r in b]
+
+
+def test_lora_and_dp_compression_train_with_gspo(tmp_path):
+    sets = gspo_sets(prompts_file(tmp_path), **{"train.lora.rank": 4, "mesh.dp": 2, "dp.kind": "powersgd",
+                                                "dp.start_step": 0, "rl.minibatches": 2})
+    assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
+    got = rows(tmp_path / "run")
+    assert got[-1]["dp_bytes"] > 0 and len(got) == 2
+
+
+def test_objectives_are_refused_where_not_supported_yet(tmp_path):
+    from thinpipe.engine.elastic_setup import check_elastic
+
+    with pytest.raises(ConfigError, match="SFT only"):
+        check_elastic(config(**gspo_sets(prompts_file(tmp_path))))
+    with pytest.raises(ConfigError, match="anchor"):
+        config(**gspo_sets(prompts_file(tmp_path), **{"mesh.anchor": 1}))
+    with pytest.raises(ConfigError, match="user's files"):
+        SimEngine(config(**gspo_sets("math")))
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_sequence_gets_its_old_log_probs_in_any_microbatch_layout(tmp_path, keyed):
+    """The old-log-prob pass of 8 rollouts as one microbatch of 8 or four of 2: the same log-probs per sequence
+    when masks are keyed by sequence; keyed by microbatch (SFT's key) they differ."""
+    from thinpipe.rank.gspo import row_keys
+    from thinpipe.rank.pipe import chunk_contexts, rollout_rows
+
+    cfg = config(**gspo_sets(prompts_file(tmp_path), **{"boundary.kind": "mask", "boundary.p": 0.9}))
+    engine = SimEngine(cfg)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (5 + i % 3,), generator=g).tolist() for i in range(8)]
+    responses = [torch.randint(0, 256, (4 + i % 4,), generator=g).tolist() for i in range(8)]
+    batch = rollout_rows(prompts, responses, 0)
+    keys = row_keys(3, 0, 8) if keyed else None
+
+    def old_logps(per):
+        ctxs = chunk_contexts(batch, per, 3, 0, 1.0, keys)
+        for c in ctxs:
+            c.loss_fn = engine.objective._loss_fn(old=True)
+        engine.objective.pipe.forward(0, ctxs, "train")
+        return torch.cat([c.extras["old_logp"] for c in ctxs])
+
+    one, four = old_logps(8), old_logps(2)
+    if keyed:
+        torch.testing.assert_close(one, four, rtol=0, atol=1e-6)
+    else:
+        assert (one - four).abs().max() > 1e-2
