@@ -75,9 +75,9 @@ def _summary(s) -> tuple[list, int, dict, float | None, dict]:
     return points, int(s["tokens"]), per_token, tps, end
 
 
-def _running(rows: list[dict]) -> tuple[list, int, dict, float | None]:
+def _running(rows: list[dict], measure: str = "val_loss") -> tuple[list, int, dict, float | None]:
     """(val points, tokens, bytes per token, tokens/s) of a run still training, from its metrics rows."""
-    points = [(int(r["step"]) + 1, float(r["val_loss"])) for r in rows if "val_loss" in r]
+    points = [(int(r["step"]) + 1, float(r[measure])) for r in rows if measure in r]
     last = rows[-1]
     tokens, wall = int(last["tokens"]), float(last["wall_s"])
     per_token = {k[:-6]: float(last[k]) / tokens if tokens else 0.0 for k in last if k.endswith("_bytes")}
@@ -91,6 +91,9 @@ def load(folder: str | Path) -> dict:
         raise ConfigError(f"{folder} is not a thinpipe run folder (no config.toml): give --out folders of "
                           "`thinpipe train`")
     cfg = _read(folder / "config.toml", tomllib.loads, "restore the run's config.toml")
+    objective = cfg.get("train", {}).get("objective", "sft") if isinstance(cfg.get("train"), dict) else "sft"
+    accuracy = objective == "gspo"
+    measure = "val_accuracy" if accuracy else "val_loss"
     b = cfg.get("boundary")
     kind = b.get("kind") if isinstance(b, dict) else None
     if not isinstance(kind, str):
@@ -115,17 +118,20 @@ def load(folder: str | Path) -> dict:
         if not rows:
             raise ConfigError(f"{folder} has no metrics yet (the run has not finished a step): compare it later")
         try:
-            points, tokens, per_token, tps = _running(rows)
+            points, tokens, per_token, tps = _running(rows, measure)
         except MISTYPED as e:
             raise ConfigError(f"{folder / 'metrics.jsonl'}: a row is not one thinpipe wrote ({_why(e)}): restore the "
                               "file") from None
     if not points:
-        raise ConfigError(f"{folder} has no held-out loss yet: set eval.every, or wait for it to finish")
+        raise ConfigError(f"{folder} has no held-out {'accuracy' if accuracy else 'loss'} yet: set eval.every, or "
+                          "wait for it to finish")
     by_step[0] = 0
-    return {
+    best = max if accuracy else min
+    return {"measure": measure, 
         "run": folder.name, "path": str(folder), "finished": done, "kind": kind, "wire_dtype": wire_dtype(cfg),
         "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
-        "best_val_loss": min(p[1] for p in points), "final_val_loss": points[-1][1],
+        # GSPO runs are measured by held-out accuracy (higher is better), every other objective by a held-out loss
+        f"best_{measure}": best(p[1] for p in points), f"final_{measure}": points[-1][1],
         "bytes_per_token": {a: per_token.get(a, 0.0) for a in AXES_SHOWN},
         "pp_bytes_per_token": per_token.get("pp_fwd", 0.0) + per_token.get("pp_bwd", 0.0),
         "tokens_per_s": tps, "val_points": points,
@@ -142,12 +148,20 @@ def compare(folders: list[str | Path]) -> dict:
     for r in runs:  # no ratio where either sends no PP bytes (mesh.pp = 1)
         r["pp_compression"] = (dense["pp_bytes_per_token"] / r["pp_bytes_per_token"]
                                if dense and dense["pp_bytes_per_token"] and r["pp_bytes_per_token"] else None)
-        r["vs_dense_final"] = (r["final_val_loss"] / dense["final_val_loss"] - 1) if dense and dense["final_val_loss"] \
-            else None
+        r["vs_dense_final"] = _vs_dense(r, dense)
     return {"dense": dense["run"] if dense else None, "runs": runs,
             "dense_wire_dtype": dense["wire_dtype"] if dense else None,
             "dense_pp_bytes_per_token": dense["pp_bytes_per_token"] if dense else None,
             "accounting": accounting(dense, runs)}
+
+
+def _vs_dense(r: dict, dense: dict | None) -> float | None:
+    """A loss against Dense's as a ratio minus 1; an accuracy as a difference (both runs measured alike)."""
+    if dense is None or r["measure"] != dense["measure"]:
+        return None
+    if r["measure"] == "val_accuracy":
+        return r["final_val_accuracy"] - dense["final_val_accuracy"]
+    return r["final_val_loss"] / dense["final_val_loss"] - 1 if dense["final_val_loss"] else None
 
 
 def accounting(dense: dict | None, runs: list[dict]) -> list[str]:
@@ -180,15 +194,20 @@ def format_table(result: dict) -> str:
             f"{'compr.':>8}{'DP B/tok':>10}{'anchor B/tok':>13}{'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
-        vs = "-" if r["vs_dense_final"] is None or r["dense"] else f"{r['vs_dense_final']:+.1%}"
+        acc = r["measure"] == "val_accuracy"
+        vs = ("-" if r["vs_dense_final"] is None or r["dense"] else
+              f"{100 * r['vs_dense_final']:+.1f}pt" if acc else f"{r['vs_dense_final']:+.1%}")
+        best_v, final_v = r[f"best_{r['measure']}"], r[f"final_{r['measure']}"]
         comp = "-" if r["pp_compression"] is None else f"{r['pp_compression']:.1f}x"
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
         name = r["run"] + ("" if r["finished"] else " (running)")
         wire = SHORT.get(r["wire_dtype"], "?")
-        lines.append(f"{name:<22}{r['kind']:<10}{r['best_val_loss']:>14.4f}{r['final_val_loss']:>9.4f}{vs:>10}"
+        shown = f"{best_v:>10.1%} acc{final_v:>9.1%}" if acc else f"{best_v:>14.4f}{final_v:>9.4f}"
+        lines.append(f"{name:<22}{r['kind']:<10}{shown}{vs:>10}"
                      f"{wire:>6}{r['pp_bytes_per_token']:>10.1f}{comp:>8}{r['bytes_per_token']['dp']:>10.1f}"
                      f"{r['bytes_per_token']['anchor']:>13.1f}{tps:>8}")
-    lines.append("held-out loss is measured through dense boundaries; PP B/tok = forward + backward boundary bytes per "
+    lines.append("held-out loss (GSPO runs: greedy accuracy on held-out prompts, acc) is measured through dense "
+                 "boundaries; PP B/tok = forward + backward boundary bytes per "
                  "trained token; wire = the dtype PP values cross in (boundary.dtype; auto: train.dtype)")
     return "\n".join(lines + result["accounting"])
 
@@ -209,8 +228,9 @@ def plot(result: dict, path: Path) -> None:
     a.set_xlabel("step")
     b.set_xlabel("PP bytes sent (cumulative, log scale)")
     b.set_xscale("log")
+    measures = {r["measure"] for r in result["runs"]}
     for ax in (a, b):
-        ax.set_ylabel("held-out loss")
+        ax.set_ylabel("held-out accuracy" if measures == {"val_accuracy"} else "held-out loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
