@@ -1,5 +1,5 @@
-"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | compare | export | prune | analyze |
-keygen | demo``.
+"""The one command line: ``thinpipe train | launch | plan | bench | probe | eval | generate | compare | export | prune |
+analyze | keygen | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -12,7 +12,21 @@ from __future__ import annotations
 
 import sys
 
-from thinpipe.commands import analyze, bench, compare, demo, evaluate, export, keygen, launch, plan, probe, prune, train
+from thinpipe.commands import (
+    analyze,
+    bench,
+    compare,
+    demo,
+    evaluate,
+    export,
+    generate,
+    keygen,
+    launch,
+    plan,
+    probe,
+    prune,
+    train,
+)
 from thinpipe.commands.common import EXIT_DIVERGED, EXIT_USAGE, Parser
 from thinpipe.commands.common import build_parser as parser_of
 from thinpipe.config import ConfigError, Diverged
@@ -23,7 +37,7 @@ from thinpipe.plugins import PluginError, load_plugins
 __all__ = ["COMMANDS", "EXIT_DIVERGED", "EXIT_USAGE", "Parser", "build_parser", "main"]
 
 # in the order of `thinpipe --help`
-COMMANDS = [train, launch, plan, bench, evaluate, export, prune, analyze, probe, compare, keygen, demo]
+COMMANDS = [train, launch, plan, bench, evaluate, generate, export, prune, analyze, probe, compare, keygen, demo]
 
 
 def build_parser() -> Parser:

@@ -143,8 +143,23 @@ class RefreshDown(_Boundary):
     CHANNEL: ClassVar[int] = 11
 
 
+@dataclass(frozen=True)
+class SampledTokens(Tag):
+    """Generation (``rank/generation.py``): the last stage of row ``replica`` -> its stage ``stage``,
+    the tokens one decode round sampled and which rows are done; ``key`` names the pass and the round."""
+
+    replica: int
+    stage: int
+    key: tuple
+    CHANNEL: ClassVar[int] = 12
+
+    def ends(self, layout) -> tuple[int, int]:
+        row = layout.grid[self.replica]
+        return row[-1], row[self.stage]
+
+
 TAG_TYPES = (Activation, Gradient, ParamGrads, Params, TiedGrad, EvalActivation, AnchorCycle, Pull, Push, RefreshUp,
-             RefreshDown)
+             RefreshDown, SampledTokens)
 _channels = [t.CHANNEL for t in TAG_TYPES]
 assert len(set(_channels)) == len(_channels), "two message kinds share a channel"
 

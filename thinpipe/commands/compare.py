@@ -127,7 +127,7 @@ def load(folder: str | Path) -> dict:
                           "wait for it to finish")
     by_step[0] = 0
     best = max if accuracy else min
-    return {"measure": measure, 
+    return {"measure": measure,
         "run": folder.name, "path": str(folder), "finished": done, "kind": kind, "wire_dtype": wire_dtype(cfg),
         "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
         # GSPO runs are measured by held-out accuracy (higher is better), every other objective by a held-out loss

@@ -22,7 +22,8 @@ def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--tasks", required=True,
                    help="comma-separated, e.g. arc_easy,piqa,hellaswag or gsm8k,humaneval,mbpp")
     e.add_argument("--limit", type=int, default=None, help="items per task")
-    e.add_argument("--batch-size", type=int, default=16)
+    e.add_argument("--batch-size", type=int, default=16, help="multiple-choice: requests per forward")
+    e.add_argument("--gen-batch-size", type=int, default=8, help="generative tasks: prompts per generation pass")
     e.add_argument("--max-new-tokens", type=int, default=256, help="generative tasks: tokens per completion")
     e.add_argument("--timeout", type=float, default=10.0, help="humaneval / mbpp: seconds per program in the sandbox")
     e.add_argument("--samples", help="write every completion and its verdict to this JSON file")
@@ -45,21 +46,23 @@ def run(args) -> int:
     if args.max_new_tokens < 1 or args.timeout <= 0:
         raise ConfigError(f"--max-new-tokens must be >= 1 and --timeout > 0, got {args.max_new_tokens}, "
                           f"{args.timeout}")
+    if args.gen_batch_size < 1:
+        raise ConfigError(f"--gen-batch-size must be >= 1, got {args.gen_batch_size}")
     if args.samples and Path(args.samples).is_dir():
         raise ConfigError(f"--samples {args.samples} is a folder: give the path of the JSON file to write")
     if args.samples:
         check_out_path(Path(args.samples).parent, "--samples")  # written after the evaluation: checked before it
-    logits_fn, tokenizer, model = _eval_model(args.model, args.device)
+    logits_fn, tokenizer, generate_batch = _eval_model(args.model, args.device)
     from thinpipe.eval import evaluate_mc
-    from thinpipe.eval.generative import evaluate_generative, logits_generate
+    from thinpipe.eval.generative import evaluate_generative
 
     results = []
     with torch.no_grad():
         for t in tasks:
             if t in GENERATIVE:
-                results.append(evaluate_generative(model, tokenizer, t, limit=args.limit,
+                results.append(evaluate_generative(None, tokenizer, t, limit=args.limit,
                                                    max_new_tokens=args.max_new_tokens, timeout_s=args.timeout,
-                                                   generate=None if model is not None else logits_generate(logits_fn)))
+                                                   generate_batch=generate_batch, batch_size=args.gen_batch_size))
             else:
                 results.append(evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size))
     if args.samples:
@@ -79,11 +82,13 @@ def run(args) -> int:
 
 def _eval_model(spec: str, device: str = "cpu"):
     """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
-    Hugging Face model or None).
+    generate_batch).
 
-    A run whose boundaries are part of the model (ssn, mapl, mapl-vq, bottleneck) is evaluated
-    through them on its restored mesh (no HF model: generation then runs without a KV cache); any
-    other run as its merged Hugging Face model."""
+    Generative tasks run on a mesh with a KV cache per stage, batched (``mesh_generator``): a run on its
+    restored mesh, through the boundaries that are part of its model (ssn, mapl, mapl-vq, bottleneck),
+    dense otherwise; a model as one stage. Multiple-choice scoring reads ``logits_fn``: a run whose
+    boundaries are part of the model through them (``SimMesh.logits``), any other as its merged
+    Hugging Face model."""
     from thinpipe.config import ARCHITECTURAL_KINDS
     from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
@@ -92,15 +97,42 @@ def _eval_model(spec: str, device: str = "cpu"):
 
     path = Path(spec)
     if path.is_dir() and (path / "config.toml").is_file():  # a run folder
-        from thinpipe.engine.run_folder import load_mesh, load_run
+        from thinpipe.engine.run_folder import load_mesh
+        from thinpipe.models import merge_stages
+        from thinpipe.models.lora import merge_lora
 
         cfg = load_config(path / "config.toml")
+        _, mesh, loaded = load_mesh(path, device)
+        generate_batch = mesh_generator(loaded.tokenizer, mesh=mesh)
         if cfg.boundary.kind in ARCHITECTURAL_KINDS:
-            _, mesh, loaded = load_mesh(path, device)
-            return mesh.logits, loaded.tokenizer, None
-        _, model, tok = load_run(path, device)
-        model.eval()
-        return logits_fn_from_model(model), tok, model
+            return mesh.logits, loaded.tokenizer, generate_batch
+        model = merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device).eval()  # as load_run
+        return logits_fn_from_model(model), loaded.tokenizer, generate_batch
     loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
     loaded.model.to(resolve_device(device)).eval()
-    return logits_fn_from_model(loaded.model), loaded.tokenizer, loaded.model
+    return logits_fn_from_model(loaded.model), loaded.tokenizer, mesh_generator(loaded.tokenizer, model=loaded.model)
+
+
+def mesh_generator(tokenizer, mesh=None, model=None):
+    """``generate_batch(prompts, stop, max_new_tokens) -> completions`` of ``evaluate_generative``: greedy,
+    batched, on replica 0 of ``mesh`` or on ``model`` as one stage; prompts as the one-by-one path cuts them
+    (``eval/generative.py: prompt_ids``), completions cut at the first stop string."""
+    from thinpipe.comm import ByteMeter, Mailbox
+    from thinpipe.engine.sim_generate import generate_on_mesh, generate_on_stages
+    from thinpipe.eval.generative import prompt_ids
+    from thinpipe.models import build_stages
+    from thinpipe.rank.generation import Sampling, truncate_completion
+
+    stages = None if model is None else build_stages(model, None, 1)
+    eos = getattr(tokenizer, "eos_token_id", None)
+
+    def generate_batch(prompts: list[str], stop: list[str], max_new_tokens: int) -> list[str]:
+        sampling = Sampling(max_new_tokens, temperature=0.0, stop=list(stop), eos_ids=[] if eos is None else [eos])
+        ids = [prompt_ids(tokenizer, p, max_new_tokens) for p in prompts]
+        if mesh is not None:
+            outs = generate_on_mesh(mesh, ids, sampling, tokenizer, batch_size=None)
+        else:
+            outs = generate_on_stages(stages, [], Mailbox(ByteMeter()), ids, sampling, tokenizer, batch_size=None)
+        return [truncate_completion(o, tokenizer, sampling) for o in outs]
+
+    return generate_batch

@@ -38,6 +38,7 @@ GENERATIVE = {
 }
 N_ITEMS = {"gsm8k": 1319, "humaneval": 164, "mbpp": 500}
 CODE_FENCE_STOP = ["\n```"]
+MAX_LEN = 2048  # prompt + completion, in tokens
 
 
 @dataclass
@@ -76,12 +77,18 @@ def truncate_at_stop(text: str, stop: list[str]) -> str:
     return text[:cut]
 
 
+def prompt_ids(tokenizer, prompt: str, max_new_tokens: int, max_len: int = MAX_LEN) -> list[int]:
+    """The prompt's ids as every generator here conditions on them: no special tokens, and the end
+    of an over-long prompt (room left for ``max_new_tokens`` within ``max_len``)."""
+    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
+    return ids[-(max_len - max_new_tokens):]
+
+
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompt: str, stop: list[str], max_new_tokens: int,
-                    max_len: int = 2048) -> str:
+                    max_len: int = MAX_LEN) -> str:
     """Greedy continuation of ``prompt`` with the model's KV cache, cut at the first stop sequence."""
-    ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-    ids = ids[-(max_len - max_new_tokens):]  # keep the end of an over-long prompt
+    ids = prompt_ids(tokenizer, prompt, max_new_tokens, max_len)
     device = next(model.parameters()).device
     out = model(input_ids=torch.tensor([ids], device=device), use_cache=True)
     past, new = out.past_key_values, []
@@ -135,15 +142,34 @@ def mbpp_program(completion: str, doc: dict) -> str:
 
 def evaluate_generative(model, tokenizer, task: str, limit: int | None = None, max_new_tokens: int = 256,
                         timeout_s: float = 10.0, progress: bool = True,
-                        generate: Callable[..., str] | None = None) -> dict:
-    """Exact match (gsm8k) or pass@1 (humaneval, mbpp) over the first ``limit`` items."""
+                        generate: Callable[..., str] | None = None,
+                        generate_batch: Callable[[list[str], list[str], int], list[str]] | None = None,
+                        batch_size: int = 8) -> dict:
+    """Exact match (gsm8k) or pass@1 (humaneval, mbpp) over the first ``limit`` items.
+
+    ``generate_batch(prompts, stop, max_new_tokens) -> completions``: greedy completions of several
+    prompts at once (a mesh's batched generation); the items are passed ``batch_size`` at a time, items
+    with the same stop strings together. Without it, ``generate`` (default ``greedy_generate``) one by one."""
     from tqdm import tqdm
 
-    generate = generate or greedy_generate
     items = load_generative(task, limit)
+    bar = tqdm(total=len(items), desc=task, unit="item", disable=not progress)
+    completions: list[str | None] = [None] * len(items)
+    if generate_batch is not None:
+        for stop, idx in _by_stop(items).items():
+            for i in range(0, len(idx), batch_size):
+                part = idx[i:i + batch_size]
+                for j, text in zip(part, generate_batch([items[j].prompt for j in part], list(stop), max_new_tokens)):
+                    completions[j] = text
+                bar.update(len(part))
+    else:
+        generate = generate or greedy_generate
+        for j, item in enumerate(items):
+            completions[j] = generate(model, tokenizer, item.prompt, item.stop, max_new_tokens)
+            bar.update(1)
+    bar.close()
     samples = []
-    for item in tqdm(items, desc=task, unit="item", disable=not progress):
-        completion = generate(model, tokenizer, item.prompt, item.stop, max_new_tokens)
+    for item, completion in zip(items, completions):
         if task == "gsm8k":
             ok, detail = gsm8k_correct(completion, item.doc), gsm8k_extract(completion)
         else:
@@ -158,13 +184,23 @@ def evaluate_generative(model, tokenizer, task: str, limit: int | None = None, m
             "stderr": math.sqrt(value * (1 - value) / (n - 1)) if n > 1 else 0.0, "samples": samples}
 
 
+def _by_stop(items: list[GenItem]) -> dict[tuple[str, ...], list[int]]:
+    """Item indices grouped by their stop strings (first appearance first; item order kept inside)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for j, item in enumerate(items):
+        groups.setdefault(tuple(item.stop), []).append(j)
+    return groups
+
+
 def logits_generate(logits_fn) -> Callable[..., str]:
-    """A ``generate`` for models only reachable as ``logits_fn(ids, mask)`` (a mesh whose boundaries
-    are part of the model): greedy, no KV cache, the whole sequence re-run per token."""
+    """A ``generate`` for models only reachable as ``logits_fn(ids, mask)``: greedy, no KV cache, the
+    whole sequence re-run per token. ``thinpipe eval`` now generates on the mesh with a KV cache per
+    stage (``engine/sim_generate.py``); this stays as the reference the tests and
+    ``benchmarks/generation_speed.py`` compare it with."""
 
     @torch.no_grad()
-    def generate(_model, tokenizer, prompt: str, stop: list[str], max_new_tokens: int, max_len: int = 2048) -> str:
-        ids = list(tokenizer.encode(prompt, add_special_tokens=False))[-(max_len - max_new_tokens):]
+    def generate(_model, tokenizer, prompt: str, stop: list[str], max_new_tokens: int, max_len: int = MAX_LEN) -> str:
+        ids = prompt_ids(tokenizer, prompt, max_new_tokens, max_len)
         new: list[int] = []
         for _ in range(max_new_tokens):
             x = torch.tensor([ids + new])
