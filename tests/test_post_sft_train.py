@@ -197,3 +197,24 @@ def test_a_sequence_gets_its_old_log_probs_in_any_microbatch_layout(tmp_path, ke
         torch.testing.assert_close(one, four, rtol=0, atol=1e-6)
     else:
         assert (one - four).abs().max() > 1e-2
+
+
+def test_gspo_from_an_sft_run_and_compare_reads_its_accuracy(tmp_path):
+    """SFT -> GSPO (--init-from the SFT run's weights), then `thinpipe compare` of two GSPO runs: held-out
+    accuracy, best = highest, "vs dense" as a difference in points."""
+    from thinpipe.commands.compare import compare, format_table
+
+    sft = tmp_path / "sft"
+    assert main(["train", "--out", str(sft), "--quiet", "--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                 "--set", "data.name=synthetic", "--set", "train.steps=2", "--set", "train.seq_len=32"]) == 0
+    path = prompts_file(tmp_path)
+    for name, kind in (("dense", {}), ("mask", {"boundary.kind": "mask", "boundary.p": 0.5})):
+        sets = {k: v for k, v in gspo_sets(path, **kind).items() if k != "model.name"}
+        assert main(["train", "--out", str(tmp_path / name), "--quiet", "--init-from", str(sft),
+                     *as_args(sets)]) == 0
+    s = json.loads((tmp_path / "mask" / "summary.json").read_text())
+    result = compare([tmp_path / "dense", tmp_path / "mask"])
+    dense, mask = result["runs"]
+    assert mask["measure"] == "val_accuracy" and mask["final_val_accuracy"] == s["final_val_accuracy"]
+    assert mask["vs_dense_final"] == pytest.approx(s["final_val_accuracy"] - dense["final_val_accuracy"])
+    assert "acc" in format_table(result)

@@ -11,9 +11,9 @@ Runs are resumable: a run folder with a checkpoint continues (``--resume``), a f
 
 Deviations from App. D, sized to 2 CPU cores: 40 steps x 4 prompts x 4 rollouts (the paper: 32 x 16 for 2
 epochs), 96 new tokens (7,680), no overlong shaping (responses are short), 2 minibatches per step (the paper:
-32), and lr 1e-5 (the paper's 1e-6 barely moves a 135M model in 40 steps; ``--lr`` to change it).
+32), and lr 2e-5 (the paper's 1e-6 barely moves a 135M model in 40 steps; ``--lr`` to change it).
 
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/run.py [--jobs 2] [--steps 40] [--lr 1e-5]
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/run.py [--jobs 2] [--steps 40] [--lr 2e-5]
     .venv/bin/python experiments/rl/report.py      # results/rl.json, results/rl_curves.png
 """
 
@@ -74,7 +74,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the GSPO runs go")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--jobs", type=int, default=2, help="arms at once (one thread each)")
     ap.add_argument("--only", default="", help="comma-separated arm names")
     a = ap.parse_args()
