@@ -188,7 +188,7 @@ def test_a_sequence_gets_its_old_log_probs_in_any_microbatch_layout(tmp_path, ke
     def old_logps(per):
         ctxs = chunk_contexts(batch, per, 3, 0, 1.0, keys)
         for c in ctxs:
-            c.loss_fn = engine.objective._loss_fn(old=True)
+            c.loss_fn = engine.objective._loss_fn("old")
         engine.objective.pipe.forward(0, ctxs, "train")
         return torch.cat([c.extras["old_logp"] for c in ctxs])
 
@@ -218,3 +218,20 @@ def test_gspo_from_an_sft_run_and_compare_reads_its_accuracy(tmp_path):
     assert mask["measure"] == "val_accuracy" and mask["final_val_accuracy"] == s["final_val_accuracy"]
     assert mask["vs_dense_final"] == pytest.approx(s["final_val_accuracy"] - dense["final_val_accuracy"])
     assert "acc" in format_table(result)
+
+
+def test_gspo_with_a_kl_to_the_start_keeps_its_reference_frozen(tmp_path):
+    """rl.kl_beta > 0: the starting weights' log-probs of every rollout come from a frozen copy (dense
+    boundaries) that stays the start while the policy moves; a model-part boundary is refused in one line."""
+    cfg = config(**gspo_sets(prompts_file(tmp_path), **{"rl.kl_beta": 0.5, "boundary.kind": "mask",
+                                                        "boundary.p": 0.5, "rl.minibatches": 2}))
+    engine = SimEngine(cfg)
+    ref = engine.objective.pipe.ref_workers[0][0].stage
+    start = {k: v.clone() for k, v in ref.state_dict().items()}
+    for step in range(2):
+        engine.train_step(step)
+    assert all(torch.equal(start[k], v) for k, v in ref.state_dict().items())
+    moved = engine.mesh.ranks[0][0].stage.state_dict()
+    assert any(not torch.equal(start[k], moved[k]) for k in start)
+    with pytest.raises(ConfigError, match="kl_beta"):
+        config(**gspo_sets(prompts_file(tmp_path), **{"rl.kl_beta": 0.5, "boundary.kind": "mapl"}))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from thinpipe.config.boundary import ARCHITECTURAL_KINDS
 from thinpipe.config.errors import ConfigError
 
 OBJECTIVES = ("sft", "dpo", "gspo")
@@ -109,6 +110,9 @@ def check_objective(cfg) -> None:
             raise ConfigError(f"train.batch_size = {t.batch_size} (sequences per forward) does not divide the "
                               f"{per_update} sequences of an update (rl.prompts_per_step x rl.group_size / "
                               "rl.minibatches)")
+        if rl.kl_beta > 0 and cfg.boundary.kind in ARCHITECTURAL_KINDS:
+            raise ConfigError(f"rl.kl_beta > 0 keeps a dense copy of the starting weights, but boundary.kind = "
+                              f"{cfg.boundary.kind} is part of the model: set rl.kl_beta = 0 (GSPO's recipe has no KL)")
         if rl.max_response_tokens >= t.seq_len:
             raise ConfigError(f"rl.max_response_tokens = {rl.max_response_tokens} leaves no room for the prompt in "
                               f"train.seq_len = {t.seq_len}: raise train.seq_len or lower rl.max_response_tokens")

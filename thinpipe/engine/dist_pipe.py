@@ -12,7 +12,8 @@ import torch
 
 from thinpipe.comm import AXES
 from thinpipe.engine.dist_generate import generate_on_rank
-from thinpipe.rank.pipe import GENERATE_BATCH, eval_worker, forward_only, forward_order
+from thinpipe.boundary import Boundary
+from thinpipe.rank.pipe import GENERATE_BATCH, eval_worker, forward_only, forward_order, reference_stage, wants_reference
 from thinpipe.rank.schedule import SCHEDULES, execute
 
 
@@ -25,6 +26,12 @@ class DistPipe:
         self.eval_worker = eval_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
                                        engine.eval_transport, engine.rk.worker.compute_dtype)
 
+        # GSPO's KL: a frozen copy of this rank's starting stage on dense boundaries
+        dense = [None if b is None else Boundary(b.index, b.hidden_size) for b in (engine.in_b, engine.out_b)]
+        self.ref_worker = (eval_worker(reference_stage(engine.stage), engine.role.replica, *dense,
+                                       engine.eval_transport, engine.rk.worker.compute_dtype)
+                           if wants_reference(engine.cfg) else None)
+
     def generate(self, replica, prompts, sampling, boundaries, row_keys, step, axis):
         out = generate_on_rank(self.e, prompts, sampling, self.tokenizer, boundaries=boundaries, axis=axis,
                                row_keys=row_keys, step=step, batch_size=GENERATE_BATCH)
@@ -33,8 +40,8 @@ class DistPipe:
 
     def forward(self, replica, ctxs, boundaries):
         e = self.e
-        worker, transport = (e.rk.worker, e.transport) if boundaries == "train" else (self.eval_worker,
-                                                                                      e.eval_transport)
+        worker, transport = {"train": (e.rk.worker, e.transport), "eval": (self.eval_worker, e.eval_transport),
+                             "reference": (self.ref_worker, e.eval_transport)}[boundaries]
         s = e.stage.index
         forward_only(forward_order(e.cfg.mesh.pp, len(ctxs), [s]), {s: worker}, ctxs)
         transport.flush()

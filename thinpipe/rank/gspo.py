@@ -86,11 +86,15 @@ class Gspo:
         self.first_update_log_ratio = 0.0
 
     # ------------------------------------------------------------------------------------ a step
-    def _loss_fn(self, old: bool):
+    def _loss_fn(self, which: str):
         rl = self.cfg.rl
 
         def record_old(logits, ctx):
             ctx.extras["old_logp"] = response_logprobs(logits, ctx.labels)[0].detach()
+            return logits.new_zeros(())
+
+        def record_ref(logits, ctx):
+            ctx.extras["ref_logp"] = response_logprobs(logits, ctx.labels)[0].detach()
             return logits.new_zeros(())
 
         def loss(logits, ctx):
@@ -102,7 +106,7 @@ class Gspo:
                              entropy_sum=float(ent[mask].sum()), log_ratio_max=float(st["log_ratio_abs_max"]))
             return per_seq.sum() * ctx.loss_scale
 
-        return record_old if old else loss
+        return {"old": record_old, "ref": record_ref, "update": loss}[which]
 
     def _stream(self, r: int, step: int):
         if r not in self._streams:
@@ -134,12 +138,16 @@ class Gspo:
             adv = group_advantages(rewards.float(), rl.group_size, rl.scale_rewards)
             batch = rollout_rows(prompts, responses, self.pad_id)
             rows = chunk_contexts(batch, cfg.train.batch_size, step, r, 1.0 / per_update, keys)
+            if rl.kl_beta > 0:  # the starting weights' log-probs, for the KL (dense boundaries)
+                for c in rows:
+                    c.loss_fn = self._loss_fn("ref")
+                pipe.forward(r, rows, "reference")
             for c in rows:
-                c.loss_fn = self._loss_fn(old=True)
+                c.loss_fn = self._loss_fn("old")
             pipe.forward(r, rows, "train")  # the old log-probs, by the training forward (last stage)
             for c, sl in zip(rows, range(0, n, cfg.train.batch_size)):
                 c.extras["advantages"] = adv[sl:sl + cfg.train.batch_size]
-                c.loss_fn = self._loss_fn(old=False)
+                c.loss_fn = self._loss_fn("update")
             ctxs[r] = rows
             if pipe.holds_last:
                 acc["sequences"] += n

@@ -7,6 +7,7 @@ ranks and its mailbox (``engine/sim_pipe.py``), a rank of the real mesh over its
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol
 
 import torch
@@ -32,8 +33,10 @@ class Pipe(Protocol):
 
     def forward(self, replica: int, ctxs: list[MicrobatchContext], boundaries: str) -> None:
         """Forward passes only (no gradient) of ``ctxs`` through ``replica``'s pipeline, by the training forward
-        (``StageWorker.forward``: the same code and numerics): ``train`` boundaries metered on ``pp_fwd``, or
-        ``eval`` ones (dense unless part of the model) unmetered. The last stage's ``ctx.loss_fn`` records."""
+        (``StageWorker.forward``: the same code and numerics): ``train`` boundaries metered on ``pp_fwd``,
+        ``eval`` ones (dense unless part of the model) unmetered, or ``reference``: a frozen copy of the starting
+        weights on dense boundaries (GSPO's optional KL; kept only when ``rl.kl_beta > 0``). The last stage's
+        ``ctx.loss_fn`` records."""
         ...
 
     def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]]) -> float:
@@ -107,3 +110,17 @@ def eval_worker(stage, replica: int, in_b, out_b, transport, compute_dtype: torc
     """A worker of ``stage`` through what evaluation passes through (``passes.py: eval_boundary``), unmetered."""
     return StageWorker(stage, replica, eval_boundary(in_b) if in_b is not None else None,
                        eval_boundary(out_b) if out_b is not None else None, transport, compute_dtype, axes=(None, None))
+
+
+def wants_reference(cfg) -> bool:
+    """GSPO with a KL to the starting weights keeps a frozen copy of them on every rank."""
+    return cfg.train.objective == "gspo" and cfg.rl.kl_beta > 0
+
+
+def reference_stage(stage):
+    """A frozen copy of ``stage`` as it is now (built before any checkpoint loads: the starting weights, which
+    a resumed run rebuilds from the same config)."""
+    ref = copy.deepcopy(stage)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
