@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.boundary import Boundary
 from thinpipe.comm import AXES
 from thinpipe.engine.dist_generate import generate_on_rank
-from thinpipe.boundary import Boundary
-from thinpipe.rank.pipe import GENERATE_BATCH, eval_worker, forward_only, forward_order, reference_stage, wants_reference
+from thinpipe.rank.pipe import (
+    GENERATE_BATCH,
+    eval_worker,
+    forward_only,
+    forward_order,
+    reference_stage,
+    wants_reference,
+)
 from thinpipe.rank.schedule import SCHEDULES, execute
 
 

@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.boundary import Boundary
 from thinpipe.comm import drive_lockstep
 from thinpipe.engine.sim_generate import generate_on_mesh
 from thinpipe.engine.sim_mesh import SimMesh
-from thinpipe.boundary import Boundary
-from thinpipe.rank.pipe import GENERATE_BATCH, eval_worker, forward_only, forward_order, reference_stage, wants_reference
+from thinpipe.rank.pipe import (
+    GENERATE_BATCH,
+    eval_worker,
+    forward_only,
+    forward_order,
+    reference_stage,
+    wants_reference,
+)
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
 
 
