@@ -30,6 +30,7 @@ class DistPipe:
         self.e, self.tokenizer = engine, tokenizer
         self.replicas = [engine.role.replica]
         self.holds_last = engine.stage.is_last
+        self.lead = engine.lead
         self.eval_worker = eval_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
                                        engine.eval_transport, engine.rk.worker.compute_dtype)
 

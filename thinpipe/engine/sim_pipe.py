@@ -25,7 +25,7 @@ from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
 
 
 class SimPipe:
-    holds_last = True
+    holds_last = lead = True
 
     def __init__(self, mesh: SimMesh, tokenizer):
         self.mesh, self.tokenizer = mesh, tokenizer

@@ -16,9 +16,11 @@ old-log-prob forward and the first update's forward compute the same numbers and
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from thinpipe.boundary.prf import prf_key
 from thinpipe.config import ConfigError
@@ -28,7 +30,7 @@ from thinpipe.objective.losses import group_advantages, policy_loss, response_lo
 from thinpipe.objective.rewards import math_reward, overlong_penalty
 from thinpipe.rank.from_config import lr_at
 from thinpipe.rank.generation import Sampling
-from thinpipe.rank.pipe import Pipe, chunk_contexts, rollout_rows
+from thinpipe.rank.pipe import GENERATE_BATCH, Pipe, chunk_contexts, rollout_rows
 
 # what the last stages sum over a step, in this order (Pipe.sum_stats)
 STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_tokens", "gen_s", "clipped",
@@ -188,7 +190,12 @@ class Gspo:
         mine = [0.0, 0.0]
         if 0 in self.pipe.replicas and len(ds):
             greedy = Sampling(max_new_tokens=self.cfg.rl.max_response_tokens, temperature=0.0, eos_ids=self.eos_ids)
-            responses = self.pipe.generate(0, list(ds.prompts), greedy, "dense", None, 0, None)
+            responses = []
+            # hundreds of prompts take minutes on a CPU: a bar on the lead's terminal (none when not a TTY)
+            for start in tqdm(range(0, len(ds), GENERATE_BATCH), desc="held-out", unit="batch", leave=False,
+                              file=sys.stderr, disable=None if self.pipe.lead else True):
+                responses += self.pipe.generate(0, list(ds.prompts[start:start + GENERATE_BATCH]), greedy, "dense",
+                                                None, 0, None)
             texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
             if self.pipe.holds_last:
                 mine = [sum(math_reward(t, a) for t, a in zip(texts, ds.answers)), float(len(ds))]

@@ -23,6 +23,7 @@ GENERATE_BATCH = 32  # sequences per generation pass (held-out prompts come in h
 class Pipe(Protocol):
     replicas: list[int]   # the fast replicas whose pipelines this process drives (simulation: all; a rank: its own)
     holds_last: bool      # this process holds those replicas' last stage (it sees their logits)
+    lead: bool            # this process writes the run folder (shows progress)
 
     def generate(self, replica: int, prompts: list[list[int]], sampling, boundaries: str,
                  row_keys: torch.Tensor | None, step: int, axis: str | None) -> list[list[int]]:
