@@ -45,9 +45,12 @@ def test_dist_equals_sim_after_sft(case, tmp_path, one_thread):  # noqa: F811
 
 
 @pytest.mark.dist
-def test_a_crashed_gspo_job_resumes_to_the_same_run(tmp_path):
-    args = as_args(gspo_sets(prompts_file(tmp_path), **{"mesh.dp": 2, "boundary.kind": "mask", "boundary.p": 0.5,
-                                                        "train.steps": 4, "train.checkpoint_every": 2}))
+@pytest.mark.parametrize("objective", ["gspo", "dpo"])
+def test_a_crashed_job_resumes_to_the_same_run(tmp_path, objective):
+    """Data position, rollout seeds and (DPO) the reference log-probs come back from the per-rank parts."""
+    make, sets = (prompts_file, gspo_sets) if objective == "gspo" else (pairs_file, dpo_sets)
+    args = as_args(sets(make(tmp_path), **{"mesh.dp": 2, "boundary.kind": "mask", "boundary.p": 0.5,
+                                           "train.steps": 4, "train.checkpoint_every": 2}))
     full, part = tmp_path / "full", tmp_path / "part"
     assert launch(4, full, args).returncode == 0
     crashed = launch(4, part, args, THINPIPE_FAULT_AT_STEP="3")

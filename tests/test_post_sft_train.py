@@ -235,3 +235,31 @@ def test_gspo_with_a_kl_to_the_start_keeps_its_reference_frozen(tmp_path):
     assert any(not torch.equal(start[k], moved[k]) for k in start)
     with pytest.raises(ConfigError, match="kl_beta"):
         config(**gspo_sets(prompts_file(tmp_path), **{"rl.kl_beta": 0.5, "boundary.kind": "mapl"}))
+
+
+@pytest.mark.parametrize("objective", ["gspo", "dpo"])
+def test_a_data_driven_boundary_start_runs_on_the_objectives_data(tmp_path, objective):
+    """The outlier boundary calibrates its channels before the first step (on prompts or pairs), as under SFT."""
+    make, sets = (prompts_file, gspo_sets) if objective == "gspo" else (pairs_file, dpo_sets)
+    engine = SimEngine(config(**sets(make(tmp_path), **{"boundary.kind": "outlier", "boundary.outlier_channels": 4,
+                                                        "boundary.quant_group": 16})))
+    b = engine.mesh.boundaries[0]
+    before = b.channels.clone()
+    engine.residual_start()
+    assert not torch.equal(before, b.channels)
+
+
+def test_rollouts_stop_at_the_chat_formats_end_of_turn_too(tmp_path):
+    """A tokenizer whose EOS is not the end of an assistant turn (a base model under ChatML)."""
+    from tests.chat_families import tokenizer
+    from thinpipe.rank.gspo import stop_ids
+
+    t = tokenizer("qwen2")
+    t.eos_token = "<|endoftext|>"
+    assert t.convert_ids_to_tokens(stop_ids(t, "chatml")) == ["<|endoftext|>", "<|im_end|>"]
+
+
+def test_lora_dropout_is_refused_with_the_objectives(tmp_path):
+    for sets in (gspo_sets(prompts_file(tmp_path)), dpo_sets(pairs_file(tmp_path))):
+        with pytest.raises(ConfigError, match="train.lora.dropout"):
+            config(**sets, **{"train.lora.rank": 4, "train.lora.dropout": 0.1})

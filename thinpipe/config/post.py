@@ -98,6 +98,11 @@ def check_objective(cfg) -> None:
         raise ConfigError(f"train.objective = {obj} with the anchor circuit is not supported yet: set mesh.anchor = 0")
     if cfg.diag.every:
         raise ConfigError(f"diag.every compares SFT gradients; with train.objective = {obj} set diag.every = 0")
+    if t.lora.rank and t.lora.dropout:
+        # every forward would draw new dropout masks: a sequence's old-log-prob, reference and update forwards
+        # would differ (TRL's trainers disable dropout for the same reason)
+        raise ConfigError(f"train.lora.dropout = {t.lora.dropout} makes two forwards of one sequence differ, which "
+                          f"train.objective = {obj} compares: set train.lora.dropout = 0")
     if obj == "gspo":
         if t.microbatches != 1:
             raise ConfigError(f"train.microbatches = {t.microbatches} does not apply to gspo: train.batch_size "

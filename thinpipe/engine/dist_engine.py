@@ -109,12 +109,10 @@ class DistEngine:
         """SimMesh.residual_start across ranks: boundary by boundary, replica 0's stages run the
         batches up to the sender, which computes the start; every fast rank holding the boundary
         loads it (a payload broadcast over the fast ranks; not metered, as in the simulation)."""
-        if self.objective is not None:
-            if hasattr(self.objective, "compute_reference"):  # DPO: the starting weights' log-probs, once
-                self.objective.compute_reference()
-            return
+        obj = self.objective
         wanted = residual_start_boundaries(self.bounds)
-        batches = residual_batches(self.cfg, self.train_ds) if wanted else []
+        batches = (obj.residual_batches() if obj is not None else residual_batches(self.cfg, self.train_ds)) \
+            if wanted else []
         for p in wanted:
             out: dict[int, list[torch.Tensor]] = {}
             if self.role.replica == 0:
@@ -126,6 +124,8 @@ class DistEngine:
             for b in (self.in_b, self.out_b):
                 if b is not None and b.index == p:
                     b.load_init(payload)
+        if obj is not None and hasattr(obj, "compute_reference"):  # DPO: the starting weights' log-probs, once
+            obj.compute_reference()
 
     def at_step(self, step: int) -> int:
         return step

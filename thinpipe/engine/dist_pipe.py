@@ -28,6 +28,7 @@ class DistPipe:
     def __init__(self, engine, tokenizer):
         """``engine``: the rank's ``DistEngine`` (its stage, boundaries, transports, groups)."""
         self.e, self.tokenizer = engine, tokenizer
+        self.device = engine.device
         self.replicas = [engine.role.replica]
         self.holds_last = engine.stage.is_last
         self.lead = engine.lead

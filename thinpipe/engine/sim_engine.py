@@ -62,12 +62,12 @@ class SimEngine:
         self.val_key = self.objective.val_key if self.objective is not None else "val_loss"
 
     def residual_start(self) -> None:
-        if self.objective is not None:
-            if hasattr(self.objective, "compute_reference"):  # DPO: the starting weights' log-probs, once
-                self.objective.compute_reference()
-            return
+        obj = self.objective
         if any(b.wants_residual_init for b in self.mesh.boundaries):
-            self.mesh.residual_start(residual_batches(self.cfg, self.train_ds))
+            self.mesh.residual_start(obj.residual_batches() if obj is not None else
+                                     residual_batches(self.cfg, self.train_ds))
+        if obj is not None and hasattr(obj, "compute_reference"):  # DPO: the starting weights' log-probs, once
+            obj.compute_reference()
 
     def at_step(self, step: int) -> int:
         return step

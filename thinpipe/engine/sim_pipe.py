@@ -29,6 +29,7 @@ class SimPipe:
 
     def __init__(self, mesh: SimMesh, tokenizer):
         self.mesh, self.tokenizer = mesh, tokenizer
+        self.device = mesh.device
         self.replicas = list(range(mesh.cfg.mesh.dp))
         self.eval_workers = [{rk.index: eval_worker(rk.stage, rk.replica, rk.in_boundary, rk.out_boundary, mesh.mailbox,
                                                     mesh.compute_dtype) for rk in row} for row in mesh.ranks]

@@ -43,32 +43,37 @@ class Dpo:
         return t.batch_size // t.microbatches
 
     # ------------------------------------------------------------------------- the reference
-    def _pass(self, ds, replica: int, loss_fn, step: int) -> list:
-        """Every pair of ``ds`` forward through ``replica``'s pipeline on eval boundaries, ``loss_fn`` recording."""
-        ctxs = []
+    def _pass(self, ds, replica: int, loss_fn, step: int) -> list[dict]:
+        """Every pair of ``ds`` forward through ``replica``'s pipeline on eval boundaries, one forward at a time
+        (nothing of a forward outlives it but what ``loss_fn`` records): each forward's ``stats`` and ``extras``."""
+        out = []
         for start in range(0, len(ds), self.pairs_per_forward):
             batch = trim_padding(ds.rows(slice(start, start + self.pairs_per_forward)))
-            rows = chunk_contexts(batch, batch["input_ids"].shape[0], step, replica, 1.0)
-            for c in rows:
-                c.extras["pair_ids"] = batch["pair_ids"][0::2]
-                c.loss_fn = loss_fn
-            ctxs += rows
-        self.pipe.forward(replica, ctxs, "eval")
-        return ctxs
+            (c,) = chunk_contexts(batch, batch["input_ids"].shape[0], step, replica, 1.0, device=self.pipe.device)
+            c.extras["pair_ids"] = batch["pair_ids"][0::2]
+            c.loss_fn = loss_fn
+            self.pipe.forward(replica, [c], "eval")
+            out.append({"stats": c.stats, "seq": c.extras.get("seq")})
+        return out
 
     def compute_reference(self) -> None:
         """The starting weights' sequence log-probs of every training and held-out pair: the replica of this
         process (replica 0 in the simulation, where every replica starts from the same weights)."""
         def record(logits, ctx):
-            ctx.extras["seq"] = sequence_logprobs(logits, ctx.labels).detach()
+            ctx.extras["seq"] = sequence_logprobs(logits, ctx.labels).detach().float().cpu()
             return logits.new_zeros(())
 
         r = self.pipe.replicas[0]
         for split, ds in (("train", self.train_ds), ("val", self.val_ds)):
-            ctxs = self._pass(ds, r, record, 0)
+            done = self._pass(ds, r, record, 0)
             if self.pipe.holds_last:
-                self.ref[split] = torch.cat([c.extras["seq"].view(-1, 2) for c in ctxs]).float().cpu() \
-                    if ctxs else torch.zeros(0, 2)
+                self.ref[split] = torch.cat([d["seq"].view(-1, 2) for d in done]) if done else torch.zeros(0, 2)
+
+    def residual_batches(self) -> list[dict]:
+        """What a data-driven boundary start (outlier channels, MAPL's PCA start) computes on: training pairs."""
+        n = self.cfg.train.batch_size
+        return [trim_padding(self.train_ds.rows(slice(i * n, (i + 1) * n)))
+                for i in range(min(self.cfg.boundary.pca_batches, max(len(self.train_ds) // n, 1)))]
 
     # ----------------------------------------------------------------------------- a step
     def _loss_fn(self, split: str):
@@ -97,7 +102,8 @@ class Dpo:
                 self._streams[r] = pair_batches(self.train_ds, cfg.train.batch_size, cfg.train.seed, shard=r,
                                                 num_shards=cfg.mesh.dp, start_step=step)
             batch = trim_padding(next(self._streams[r]))
-            rows = chunk_contexts(batch, 2 * self.pairs_per_forward, step, r, 1.0 / cfg.train.batch_size)
+            rows = chunk_contexts(batch, 2 * self.pairs_per_forward, step, r, 1.0 / cfg.train.batch_size,
+                                  device=pipe.device)
             for c, start in zip(rows, range(0, batch["pair_ids"].numel(), 2 * self.pairs_per_forward)):
                 c.extras["pair_ids"] = batch["pair_ids"][start:start + 2 * self.pairs_per_forward][0::2]
                 rows_of = slice(start, start + 2 * self.pairs_per_forward)
@@ -118,8 +124,10 @@ class Dpo:
 
     def validation(self) -> float:
         """The DPO loss on the held-out pairs (replica 0; eval boundaries, as the SFT held-out loss)."""
-        ctxs = {0: self._pass(self.val_ds, 0, self._loss_fn("val"), 0)} if 0 in self.pipe.replicas else {}
-        total = dict(zip(STATS, self.pipe.sum_stats(self._sums(ctxs))))
+        done = self._pass(self.val_ds, 0, self._loss_fn("val"), 0) if 0 in self.pipe.replicas else []
+        mine = ([sum(d["stats"].get(k, 0.0) for d in done) for k in STATS] if self.pipe.holds_last else
+                [0.0] * len(STATS))
+        total = dict(zip(STATS, self.pipe.sum_stats(mine)))
         return total["loss_sum"] / max(total["pairs"], 1.0)
 
     def metrics(self) -> dict:

@@ -229,7 +229,9 @@ def decode_pass(stage, in_b, out_b, transport: Transport, prompts: list[list[int
     n_real = real.sum(dim=1)                         # real tokens per row: the next token's position
     cache = StageCache(ids.shape[1] + sampling.max_new_tokens)
     gens = row_generators(sampling.seed, first_row, len(prompts)) if last and not sampling.greedy else []
-    vocab = stage.embed_tokens.num_embeddings if stage.is_first else None
+    # every stage checks a peer's token ids against the model's vocabulary before using them (stage 0 embeds
+    # them; a learned boundary's sender indexes its token tables with them): the rotary module holds the config
+    vocab = stage.embed_tokens.num_embeddings if stage.is_first else stage.rotary_emb.config.vocab_size
     x_ids, pos, mask = ids, prefill_positions(real), prefill_mask(real)
     for r in range(sampling.max_new_tokens):
         ctx = MicrobatchContext(step, 0, replica, x_ids, torch.full_like(x_ids, -100), pos, mask, 1.0,

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from thinpipe.boundary.prf import prf_key
 from thinpipe.config import ConfigError
+from thinpipe.data.chat import resolve_chat_format, tokenize_messages
 from thinpipe.data.loader import derive_seed
 from thinpipe.data.prompts import prompt_batches
 from thinpipe.objective.losses import group_advantages, policy_loss, response_logprobs, token_entropy
@@ -44,6 +45,18 @@ def check_rl_boundaries(bounds) -> None:
             raise ConfigError(f"boundary.kind = {b.kind} changes its state in every forward (so a sequence's "
                               "old-log-prob and update forwards would differ): train.objective = gspo refuses it; "
                               "use another kind (mask, quant4, outlier, mapl, ...)")
+
+
+def stop_ids(tokenizer, chat_format: str) -> list[int]:
+    """The tokens a rollout ends at: the tokenizer's EOS and the chat format's end of turn (what SFT trained the
+    model to emit after an answer: the first loss token of an empty assistant turn), which differ for some models
+    (a base model under ChatML, Gemma's ``<end_of_turn>``)."""
+    out = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    fmt = resolve_chat_format(tokenizer, chat_format)
+    ids, mask = tokenize_messages(tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}],
+                                  fmt)
+    first = next((t for t, m in zip(ids, mask) if m), None)
+    return out + ([first] if first is not None and first not in out else [])
 
 
 def row_keys(step: int, replica: int, n: int) -> torch.Tensor:
@@ -77,8 +90,8 @@ class Gspo:
         self.cfg, self.pipe, self.train_ds, self.val_ds, self.tokenizer = cfg, pipe, train_ds, val_ds, tokenizer
         for bounds in bounds_by_replica:
             check_rl_boundaries(bounds)
+        self.eos_ids = stop_ids(tokenizer, cfg.data.chat_format)
         eos = tokenizer.eos_token_id
-        self.eos_ids = [eos] if eos is not None else []
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
         self._streams: dict[int, object] = {}
         self.last: dict[str, float] = {}
@@ -139,7 +152,7 @@ class Gspo:
             rewards, correct = rewards_of(texts, answers, lengths, rl)
             adv = group_advantages(rewards.float(), rl.group_size, rl.scale_rewards)
             batch = rollout_rows(prompts, responses, self.pad_id)
-            rows = chunk_contexts(batch, cfg.train.batch_size, step, r, 1.0 / per_update, keys)
+            rows = chunk_contexts(batch, cfg.train.batch_size, step, r, 1.0 / per_update, keys, pipe.device)
             if rl.kl_beta > 0:  # the starting weights' log-probs, for the KL (dense boundaries)
                 for c in rows:
                     c.loss_fn = self._loss_fn("ref")
@@ -148,7 +161,7 @@ class Gspo:
                 c.loss_fn = self._loss_fn("old")
             pipe.forward(r, rows, "train")  # the old log-probs, by the training forward (last stage)
             for c, sl in zip(rows, range(0, n, cfg.train.batch_size)):
-                c.extras["advantages"] = adv[sl:sl + cfg.train.batch_size]
+                c.extras["advantages"] = adv[sl:sl + cfg.train.batch_size].to(pipe.device)
                 c.loss_fn = self._loss_fn("update")
             ctxs[r] = rows
             if pipe.holds_last:
@@ -182,6 +195,13 @@ class Gspo:
         self.tokens += int(total["trained_tokens"])
         self.last = metrics_of(total)
         return self.last.pop("_loss")
+
+    def residual_batches(self) -> list[dict]:
+        """What a data-driven boundary start (outlier channels, MAPL's PCA start) computes on: training prompts."""
+        n, ds = self.cfg.train.batch_size, self.train_ds
+        count = min(self.cfg.boundary.pca_batches, max(len(ds) // n, 1))
+        return [rollout_rows(ds.prompts[i * n:(i + 1) * n], [[] for _ in ds.prompts[i * n:(i + 1) * n]], self.pad_id)
+                for i in range(count)]
 
     # ----------------------------------------------------------------------------- held out
     def validation(self) -> float:

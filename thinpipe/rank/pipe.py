@@ -24,6 +24,7 @@ class Pipe(Protocol):
     replicas: list[int]   # the fast replicas whose pipelines this process drives (simulation: all; a rank: its own)
     holds_last: bool      # this process holds those replicas' last stage (it sees their logits)
     lead: bool            # this process writes the run folder (shows progress)
+    device: torch.device  # where this process's stages compute (contexts are built there)
 
     def generate(self, replica: int, prompts: list[list[int]], sampling, boundaries: str,
                  row_keys: torch.Tensor | None, step: int, axis: str | None) -> list[list[int]]:
@@ -42,8 +43,8 @@ class Pipe(Protocol):
 
     def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]]) -> float:
         """One optimizer update: every replica's forward and backward of its ``ctxs`` (the schedule over
-        ``len(ctxs)`` microbatches), then every phase of ``StageRank`` at update ``index``. Returns the mean over
-        replicas of the summed microbatch losses."""
+        ``len(ctxs)`` microbatches), then every phase of ``StageRank`` at update ``index``. Returns the sum over
+        this process's replicas of their summed microbatch losses (0 where it holds no last stage)."""
         ...
 
     def sum_stats(self, values: list[float]) -> list[float]:
