@@ -127,7 +127,7 @@ def load(folder: str | Path) -> dict:
                           "wait for it to finish")
     by_step[0] = 0
     best = max if accuracy else min
-    return {"measure": measure,
+    return {"measure": measure, "objective": objective,
         "run": folder.name, "path": str(folder), "finished": done, "kind": kind, "wire_dtype": wire_dtype(cfg),
         "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
         # GSPO runs are measured by held-out accuracy (higher is better), every other objective by a held-out loss
@@ -156,8 +156,9 @@ def compare(folders: list[str | Path]) -> dict:
 
 
 def _vs_dense(r: dict, dense: dict | None) -> float | None:
-    """A loss against Dense's as a ratio minus 1; an accuracy as a difference (both runs measured alike)."""
-    if dense is None or r["measure"] != dense["measure"]:
+    """A loss against Dense's as a ratio minus 1; an accuracy as a difference (both runs of one objective: a DPO
+    loss is not an SFT loss)."""
+    if dense is None or r["measure"] != dense["measure"] or r["objective"] != dense["objective"]:
         return None
     if r["measure"] == "val_accuracy":
         return r["final_val_accuracy"] - dense["final_val_accuracy"]

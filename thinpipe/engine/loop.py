@@ -209,7 +209,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     summary = {
         "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
         f"initial_{vk}": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
-        f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if vk == "val_loss" else {}),
+        f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if t.objective == "sft" else {}),
         "objective": t.objective,
         **{f"{a}_bytes": b[a] for a in AXES}, "bytes_per_token": {a: b[a] / tokens for a in AXES},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,

@@ -81,13 +81,14 @@ def rewards_of(texts: list[str], answers: list[str], lengths: list[int], rl) -> 
 
 
 class Gspo:
-    """The GSPO objective of the process driving ``pipe`` (every process computes rewards itself: each knows
-    its replicas' prompts and the sampled tokens; only the last stage holds log-probs)."""
+    """The GSPO objective of the process driving ``pipe``."""
 
     val_key = "val_accuracy"
 
     def __init__(self, cfg, pipe: Pipe, train_ds, val_ds, tokenizer, bounds_by_replica: list):
         self.cfg, self.pipe, self.train_ds, self.val_ds, self.tokenizer = cfg, pipe, train_ds, val_ds, tokenizer
+        # every process derives the same rollouts, rewards and advantages from the sampled tokens; only the last
+        # stage scores them (its loss is the only reader) and only it holds log-probs
         for bounds in bounds_by_replica:
             check_rl_boundaries(bounds)
         self.eos_ids = stop_ids(tokenizer, cfg.data.chat_format)
@@ -147,9 +148,12 @@ class Gspo:
             responses = pipe.generate(r, prompts, sampling(cfg, step, r, self.eos_ids), rl.rollout_boundaries,
                                       keys if rl.rollout_boundaries == "train" else None, step, "rollout")
             gen_s = time.perf_counter() - t0
-            texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
             lengths = [len(resp) for resp in responses]
-            rewards, correct = rewards_of(texts, answers, lengths, rl)
+            if pipe.holds_last:  # only the last stage's loss reads them: other ranks skip the scoring
+                texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
+                rewards, correct = rewards_of(texts, answers, lengths, rl)
+            else:
+                rewards = correct = torch.zeros(n, dtype=torch.float64)
             adv = group_advantages(rewards.float(), rl.group_size, rl.scale_rewards)
             batch = rollout_rows(prompts, responses, self.pad_id)
             rows = chunk_contexts(batch, cfg.train.batch_size, step, r, 1.0 / per_update, keys, pipe.device)
