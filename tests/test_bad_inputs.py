@@ -495,6 +495,23 @@ CASES = [
     Case("compress-mask", "boundary.compress = fwd on a mask boundary", [*TRAIN, "--set", "boundary.kind=mask",
                                                                        "--set", "boundary.compress=fwd"],
          "boundary.compress = fwd is an outlier setting"),
+    # after SFT (docs/rl.md)
+    Case("gspo-corpus", "train.objective = gspo on a built-in corpus", [*TRAIN, "--set", "train.objective=gspo",
+                                                                     "--set", "rl.max_response_tokens=8"],
+         "reads a user's files"),
+    Case("gspo-no-answer", "a GSPO prompt row without an answer", [*DATA, "--set", "train.objective=gspo",
+                                                                 "--set", "rl.max_response_tokens=8"],
+         'needs "prompt" (or "messages") and "answer"', files={"d.jsonl": _jsonl({"prompt": "2+2="})}),
+    Case("dpo-no-rejected", "a DPO row without rejected", [*DATA, "--set", "train.objective=dpo"],
+         'needs "prompt", "chosen" and "rejected"', files={"d.jsonl": _jsonl({"prompt": "2+2=", "chosen": "4"})}),
+    Case("gspo-aqsgd", "train.objective = gspo with boundary.kind = aqsgd",
+         [*DATA, "--set", "train.objective=gspo", "--set", "rl.max_response_tokens=8", "--set", "mesh.pp=2",
+          "--set", "boundary.kind=aqsgd", "--set", "data.val_fraction=0.5"], "changes its state in every forward",
+         files={"d.jsonl": _jsonl(*[{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(8)])}),
+    Case("rl-group", "rl.group_size = 1", [*TRAIN, "--set", "train.objective=gspo", "--set", "rl.group_size=1"],
+         "a group needs at least 2 rollouts"),
+    Case("generate-temperature", "generate --temperature -1", ["generate", "--model", "tiny-llama", "--prompt", "x",
+                                                               "--temperature", "-1"], "temperature"),
 ]
 
 
@@ -576,8 +593,8 @@ def test_a_schedule_whose_lr_rounds_to_zero_is_refused_and_a_small_one_is_not():
     assert load_config(None, ["train.lr=1e-30", "train.steps=10000000"]).train.steps == 10**7  # the limits themselves
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "export", "prune", "analyze", "plan", "probe", "compare", "bench",
-                                     "launch", "demo"])
+@pytest.mark.parametrize("command", ["train", "eval", "generate", "export", "prune", "analyze", "plan", "probe",
+                                     "compare", "bench", "launch", "demo"])
 def test_every_command_has_help(command, capsys):
     assert main([command, "--help"]) == 0
     out = capsys.readouterr()
