@@ -45,8 +45,8 @@ def arm_folder(runs: Path, prefix: str, arm: str) -> Path:
     return runs / f"{prefix}_{arm.replace(' ', '_')}"
 
 
-def run_gspo(arm: str, runs: Path, steps: int, lr: float, threads: int) -> dict:
-    sft, out = arm_folder(runs, "sft", arm), arm_folder(runs, "gspo", arm)
+def run_gspo(arm: str, runs: Path, steps: int, lr: float, threads: int, suffix: str = "") -> dict:
+    sft, out = arm_folder(runs, "sft", arm), arm_folder(runs, "gspo", arm + suffix)
     if (out / "summary.json").is_file():
         print(f"[skip] {arm}: done already", flush=True)
         return json.loads((out / "summary.json").read_text())
@@ -77,10 +77,11 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-5)
     ap.add_argument("--jobs", type=int, default=2, help="arms at once (one thread each)")
     ap.add_argument("--only", default="", help="comma-separated arm names")
+    ap.add_argument("--suffix", default="", help="appended to the GSPO folders' names (a variant, e.g. _lr5e-6)")
     a = ap.parse_args()
     arms = [x.strip() for x in a.only.split(",")] if a.only else list(ARMS)
     with ThreadPoolExecutor(a.jobs) as pool:
-        list(pool.map(lambda arm: run_gspo(arm, Path(a.runs), a.steps, a.lr, 1), arms))
+        list(pool.map(lambda arm: run_gspo(arm, Path(a.runs), a.steps, a.lr, 1, a.suffix), arms))
     return 0
 
 
