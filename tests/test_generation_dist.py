@@ -12,8 +12,8 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
+from tests.test_dist import one_thread  # noqa: F401  (the fixture: one thread, as the ranks)
 from tests.test_generation import PROMPTS, TOK, hf_generate
 from thinpipe.commands.launching import free_port, job_key_env
 from thinpipe.config import load_config
@@ -64,18 +64,9 @@ def torchrun(tmp_path, job: dict) -> list[dict]:
     return sorted(rows, key=lambda row: row["rank"])
 
 
-@pytest.fixture
-def one_thread():
-    """The ranks compute with one thread; so does the simulation here, so that sums split alike."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
-def test_dist_generation_equals_the_simulation_and_hugging_face(case, tmp_path, one_thread):
+def test_dist_generation_equals_the_simulation_and_hugging_face(case, tmp_path, one_thread):  # noqa: F811
     sets = ["model.name=tiny-llama", "data.name=synthetic", "train.batch_size=2", "train.seq_len=32",
             "data.val_rows=2", *CASES[case]]
     axis = {"sampled": "rollout"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary import Boundary
 from thinpipe.comm import AXES
 from thinpipe.engine.dist_generate import generate_on_rank
 from thinpipe.rank.pipe import (
@@ -18,7 +17,7 @@ from thinpipe.rank.pipe import (
     eval_worker,
     forward_only,
     forward_order,
-    reference_stage,
+    reference_worker,
     wants_reference,
 )
 from thinpipe.rank.schedule import SCHEDULES, execute
@@ -36,9 +35,8 @@ class DistPipe:
                                        engine.eval_transport, engine.rk.worker.compute_dtype)
 
         # GSPO's KL: a frozen copy of this rank's starting stage on dense boundaries
-        dense = [None if b is None else Boundary(b.index, b.hidden_size) for b in (engine.in_b, engine.out_b)]
-        self.ref_worker = (eval_worker(reference_stage(engine.stage), engine.role.replica, *dense,
-                                       engine.eval_transport, engine.rk.worker.compute_dtype)
+        self.ref_worker = (reference_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
+                                            engine.eval_transport, engine.rk.worker.compute_dtype)
                            if wants_reference(engine.cfg) else None)
 
     def generate(self, replica, prompts, sampling, boundaries, row_keys, step, axis):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary import Boundary
 from thinpipe.comm import drive_lockstep
 from thinpipe.engine.sim_generate import generate_on_mesh
 from thinpipe.engine.sim_mesh import SimMesh
@@ -18,7 +17,7 @@ from thinpipe.rank.pipe import (
     eval_worker,
     forward_only,
     forward_order,
-    reference_stage,
+    reference_worker,
     wants_reference,
 )
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
@@ -34,14 +33,10 @@ class SimPipe:
         self.eval_workers = [{rk.index: eval_worker(rk.stage, rk.replica, rk.in_boundary, rk.out_boundary, mesh.mailbox,
                                                     mesh.compute_dtype) for rk in row} for row in mesh.ranks]
 
-        # GSPO's KL: one frozen copy of the starting stages, shared by every replica (they start alike)
-        ref = [reference_stage(rk.stage) for rk in mesh.ranks[0]] if wants_reference(mesh.cfg) else None
-        self.ref_workers = ([{rk.index: eval_worker(ref[rk.index], rk.replica, None if rk.in_boundary is None else
-                                                    Boundary(rk.in_boundary.index, rk.in_boundary.hidden_size),
-                                                    None if rk.out_boundary is None else
-                                                    Boundary(rk.out_boundary.index, rk.out_boundary.hidden_size),
-                                                    mesh.mailbox, mesh.compute_dtype) for rk in row}
-                             for row in mesh.ranks] if ref is not None else None)
+        # GSPO's KL: a frozen copy of each replica's starting stages, on dense boundaries
+        self.ref_workers = ([{rk.index: reference_worker(rk.stage, rk.replica, rk.in_boundary, rk.out_boundary,
+                                                         mesh.mailbox, mesh.compute_dtype) for rk in row}
+                             for row in mesh.ranks] if wants_reference(mesh.cfg) else None)
 
     def generate(self, replica, prompts, sampling, boundaries, row_keys, step, axis):
         return generate_on_mesh(self.mesh, prompts, sampling, self.tokenizer, replica=replica,

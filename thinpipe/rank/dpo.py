@@ -111,23 +111,22 @@ class Dpo:
                 c.loss_fn = self._loss_fn("train")
             ctxs[r] = rows
         pipe.update(step, lr_at(cfg, step), ctxs)
-        total = dict(zip(STATS, pipe.sum_stats(self._sums(ctxs))))
+        total = dict(zip(STATS, pipe.sum_stats(self._sums([c.stats for rows in ctxs.values() for c in rows]))))
         n = max(total["pairs"], 1.0)
         self.tokens += int(total["tokens"])
         self.last = {"dpo_margin": total["margin_sum"] / n, "dpo_accuracy": total["wins"] / n}
         return total["loss_sum"] / n
 
-    def _sums(self, ctxs: dict[int, list]) -> list[float]:
+    def _sums(self, stats: list[dict]) -> list[float]:
+        """This process's sums of ``STATS`` over forwards' stats (zeros where it holds no last stage)."""
         if not self.pipe.holds_last:
             return [0.0] * len(STATS)
-        return [sum(c.stats.get(k, 0.0) for rows in ctxs.values() for c in rows) for k in STATS]
+        return [sum(st.get(k, 0.0) for st in stats) for k in STATS]
 
     def validation(self) -> float:
         """The DPO loss on the held-out pairs (replica 0; eval boundaries, as the SFT held-out loss)."""
         done = self._pass(self.val_ds, 0, self._loss_fn("val"), 0) if 0 in self.pipe.replicas else []
-        mine = ([sum(d["stats"].get(k, 0.0) for d in done) for k in STATS] if self.pipe.holds_last else
-                [0.0] * len(STATS))
-        total = dict(zip(STATS, self.pipe.sum_stats(mine)))
+        total = dict(zip(STATS, self.pipe.sum_stats(self._sums([d["stats"] for d in done]))))
         return total["loss_sum"] / max(total["pairs"], 1.0)
 
     def metrics(self) -> dict:

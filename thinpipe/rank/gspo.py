@@ -34,7 +34,7 @@ from thinpipe.rank.generation import Sampling
 from thinpipe.rank.pipe import GENERATE_BATCH, Pipe, chunk_contexts, rollout_rows
 
 # what the last stages sum over a step, in this order (Pipe.sum_stats)
-STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_tokens", "gen_s", "clipped",
+STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_s", "clipped",
          "tokens", "entropy_sum", "loss_sum", "updates", "trained_tokens")
 
 
@@ -124,6 +124,10 @@ class Gspo:
 
         return {"old": record_old, "ref": record_ref, "update": loss}[which]
 
+    def _texts(self, responses: list[list[int]]) -> list[str]:
+        """The responses as text, their stop tokens dropped (what the reward reads)."""
+        return [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
+
     def _stream(self, r: int, step: int):
         if r not in self._streams:
             self._streams[r] = prompt_batches(self.train_ds, self.cfg.rl.prompts_per_step, self.cfg.train.seed,
@@ -150,8 +154,7 @@ class Gspo:
             gen_s = time.perf_counter() - t0
             lengths = [len(resp) for resp in responses]
             if pipe.holds_last:  # only the last stage's loss reads them: other ranks skip the scoring
-                texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
-                rewards, correct = rewards_of(texts, answers, lengths, rl)
+                rewards, correct = rewards_of(self._texts(responses), answers, lengths, rl)
             else:
                 rewards = correct = torch.zeros(n, dtype=torch.float64)
             adv = group_advantages(rewards.float(), rl.group_size, rl.scale_rewards)
@@ -174,7 +177,6 @@ class Gspo:
                 acc["reward_sq"] += float((rewards ** 2).sum())
                 acc["correct"] += float(correct.sum())
                 acc["response_tokens"] += sum(lengths)
-                acc["gen_tokens"] += sum(lengths)
                 acc["gen_s"] += gen_s
                 acc["trained_tokens"] += int((batch["segment_ids"] >= 0).sum())
         per = per_update // cfg.train.batch_size
@@ -220,7 +222,7 @@ class Gspo:
                               file=sys.stderr, disable=None if self.pipe.lead else True):
                 responses += self.pipe.generate(0, list(ds.prompts[start:start + GENERATE_BATCH]), greedy, "dense",
                                                 None, 0, None)
-            texts = [self.tokenizer.decode([t for t in resp if t not in self.eos_ids]) for resp in responses]
+            texts = self._texts(responses)
             if self.pipe.holds_last:
                 mine = [sum(math_reward(t, a) for t, a in zip(texts, ds.answers)), float(len(ds))]
         right, n = self.pipe.sum_stats(mine)
@@ -246,4 +248,4 @@ def metrics_of(t: dict) -> dict:
             "reward_mean": mean, "reward_std": var ** 0.5, "accuracy": t["correct"] / n,
             "clip_fraction": t["clipped"] / max(t["tokens"], 1.0), "response_len": t["response_tokens"] / n,
             "entropy": t["entropy_sum"] / max(t["tokens"], 1.0),
-            "gen_tokens_per_s": t["gen_tokens"] / t["gen_s"] if t["gen_s"] > 0 else 0.0}
+            "gen_tokens_per_s": t["response_tokens"] / t["gen_s"] if t["gen_s"] > 0 else 0.0}

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from thinpipe.boundary import Boundary
 from thinpipe.rank.context import MicrobatchContext, positions_and_mask
 from thinpipe.rank.passes import eval_boundary
 from thinpipe.rank.schedule import execute
@@ -119,10 +120,11 @@ def wants_reference(cfg) -> bool:
     return cfg.train.objective == "gspo" and cfg.rl.kl_beta > 0
 
 
-def reference_stage(stage):
-    """A frozen copy of ``stage`` as it is now (built before any checkpoint loads: the starting weights, which
-    a resumed run rebuilds from the same config)."""
+def reference_worker(stage, replica: int, in_b, out_b, transport, compute_dtype: torch.dtype) -> StageWorker:
+    """A worker of a frozen copy of ``stage`` as it is now (built before any checkpoint loads: the starting
+    weights, which a resumed run rebuilds from the same config) on dense boundaries, unmetered."""
     ref = copy.deepcopy(stage)
     for p in ref.parameters():
         p.requires_grad_(False)
-    return ref
+    dense = [None if b is None else Boundary(b.index, b.hidden_size) for b in (in_b, out_b)]
+    return StageWorker(ref, replica, *dense, transport, compute_dtype, axes=(None, None))
