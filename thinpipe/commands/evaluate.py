@@ -1,6 +1,6 @@
 """``thinpipe eval``: multiple-choice (log-likelihood, lm-eval formats) and generative (GSM8K, HumanEval, MBPP)
-evaluation of a model, a preset or a run folder (docs/eval.md). Named ``evaluate`` so as not to shadow the
-``thinpipe.eval`` package it runs."""
+evaluation of a model, a preset or a run folder, and the perplexity of a user's own text through the mesh's
+held-out pass (docs/eval.md). Named ``evaluate`` so as not to shadow the ``thinpipe.eval`` package it runs."""
 
 from __future__ import annotations
 
@@ -10,17 +10,22 @@ from pathlib import Path
 
 from thinpipe.commands.common import add_device_arg
 from thinpipe.commands.preflight import validate_tasks
-from thinpipe.config import ConfigError, load_config
+from thinpipe.config import ConfigError
 from thinpipe.runlock import check_out_path
 
 NAME = "eval"
-HELP = "multiple-choice (lm-eval formats) and generative (gsm8k, humaneval, mbpp) evaluation"
+HELP = "multiple-choice (lm-eval formats), generative (gsm8k, humaneval, mbpp) and perplexity evaluation"
 
 
 def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")
-    e.add_argument("--tasks", required=True,
-                   help="comma-separated, e.g. arc_easy,piqa,hellaswag or gsm8k,humaneval,mbpp")
+    e.add_argument("--tasks", help="comma-separated, e.g. arc_easy,piqa,hellaswag or gsm8k,humaneval,mbpp "
+                                   "(optional with --perplexity)")
+    e.add_argument("--perplexity", metavar="FILE",
+                   help="JSONL of {\"text\": ...} rows: each row's summed next-token NLL through the mesh's "
+                        "held-out pass (its stages; a run's boundaries)")
+    e.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override as in train, e.g. mesh.pp=2 splits --model over 2 stages")
     e.add_argument("--limit", type=int, default=None, help="items per task")
     e.add_argument("--batch-size", type=int, default=16, help="multiple-choice: requests per forward")
     e.add_argument("--gen-batch-size", type=int, default=8, help="generative tasks: prompts per generation pass")
@@ -37,8 +42,10 @@ def run(args) -> int:
 
     from thinpipe.eval.generative import GENERATIVE
 
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    if not tasks:
+    if args.tasks is None and not args.perplexity:
+        raise ConfigError("give --tasks (e.g. --tasks arc_easy,piqa or --tasks gsm8k) or --perplexity FILE")
+    tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
+    if not tasks and not args.perplexity:
         raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa or --tasks gsm8k")
     validate_tasks([t for t in tasks if t not in GENERATIVE], extra=sorted(GENERATIVE))
     if args.limit is not None and args.limit < 1:
@@ -52,11 +59,21 @@ def run(args) -> int:
         raise ConfigError(f"--samples {args.samples} is a folder: give the path of the JSON file to write")
     if args.samples:
         check_out_path(Path(args.samples).parent, "--samples")  # written after the evaluation: checked before it
-    logits_fn, tokenizer, generate_batch = _eval_model(args.model, args.device)
+    texts = None
+    if args.perplexity:
+        from thinpipe.eval.perplexity import read_texts
+
+        texts = read_texts(args.perplexity)  # a bad file is one line before any model loads
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+    logits_fn, tokenizer, generate_batch, mesh = _eval_model(args.model, args.device, args.set,
+                                                              need_mesh=texts is not None)
     from thinpipe.eval import evaluate_mc
     from thinpipe.eval.generative import evaluate_generative
 
     results = []
+    if texts is not None:
+        results.append(_perplexity(mesh, tokenizer, texts, args))
     with torch.no_grad():
         for t in tasks:
             if t in GENERATIVE:
@@ -68,11 +85,18 @@ def run(args) -> int:
     if args.samples:
         Path(args.samples).write_text(json.dumps(results, indent=2))
     if args.json:
-        print(json.dumps([{k: v for k, v in r.items() if k != "samples"} for r in results], indent=2))
+        records = [{k: v for k, v in r.items() if k != "samples"} for r in results]
+        # --perplexity alone: one object with its keys at the top; with tasks: the list, perplexity first
+        print(json.dumps(records[0] if texts is not None and not tasks else records, indent=2))
     else:
         print(f"{'task':<16}{'n':>6}{'metric':>13}{'value':>9}{'stderr':>9}")
         for r in results:
-            if "metric" in r:
+            if r["task"] == "perplexity":
+                print(f"{'perplexity':<16}{r['rows']:>6}{'ppl':>13}{_num(r['perplexity']):>9}{'':>9}")
+                print(f"{'':<16}{'':>6}{'nll/token':>13}{_num(r['nll_per_token']):>9}{'':>9}")
+                print(f"{'':<16}{'':>6}{'tokens':>13}{r['tokens']:>9}{'':>9}")
+                print(f"{'':<16}{'':>6}{'stages':>13}{r['pp']:>9}{'':>9}")
+            elif "metric" in r:
                 print(f"{r['task']:<16}{r['n']:>6}{r['metric']:>13}{r[r['metric']]:>9.4f}{r['stderr']:>9.4f}")
             else:
                 print(f"{r['task']:<16}{r['n']:>6}{'acc':>13}{r['acc']:>9.4f}{r['acc_stderr']:>9.4f}")
@@ -80,37 +104,57 @@ def run(args) -> int:
     return 0
 
 
-def _eval_model(spec: str, device: str = "cpu"):
-    """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
-    generate_batch).
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.4f}"
 
-    Generative tasks run on a mesh with a KV cache per stage, batched (``mesh_generator``): a run on its
-    restored mesh, through the boundaries that are part of its model (ssn, mapl, mapl-vq, bottleneck),
-    dense otherwise; a model as one stage. Multiple-choice scoring reads ``logits_fn``: a run whose
-    boundaries are part of the model through them (``SimMesh.logits``), any other as its merged
-    Hugging Face model."""
+
+def _perplexity(mesh, tokenizer, texts: list[str], args) -> dict:
+    """The perplexity record of ``texts`` through ``mesh``'s held-out pass (replica 0), with a progress bar."""
+    import sys
+
+    from tqdm import tqdm
+
+    from thinpipe.eval.perplexity import perplexity
+
+    with tqdm(total=len(texts), desc="perplexity", unit="row", file=sys.stderr, leave=False) as bar:
+        out = perplexity(mesh.eval_loss, tokenizer, texts, batch_size=args.batch_size, progress=bar.update)
+    return {"task": "perplexity", "file": str(args.perplexity), **out, "pp": mesh.cfg.mesh.pp}
+
+
+def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh: bool = False):
+    """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
+    generate_batch, mesh or None).
+
+    A run folder, or a model with ``sets`` (``--set mesh.pp=2`` splits it) or ``need_mesh`` (perplexity),
+    is a simulated mesh: generative tasks run on its stages with a KV cache per stage, batched
+    (``mesh_generator``), perplexity through its held-out pass, multiple choice through its logits
+    (``SimMesh.logits``: through a run's boundaries where they are part of its model, dense otherwise),
+    except a run whose boundaries are not part of its model, scored as its merged Hugging Face model.
+    A model alone is its Hugging Face model for multiple choice and one stage for generation."""
+    from thinpipe.commands.mesh_source import build_mesh, is_run_folder
     from thinpipe.config import ARCHITECTURAL_KINDS
     from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
     from thinpipe.models.presets import DEFAULT_MODEL
     from thinpipe.placement import resolve_device
 
-    path = Path(spec)
-    if path.is_dir() and (path / "config.toml").is_file():  # a run folder
-        from thinpipe.engine.run_folder import load_mesh
-        from thinpipe.models import merge_stages
-        from thinpipe.models.lora import merge_lora
+    run = is_run_folder(spec)
+    model_name = None if spec == "default" else spec
+    if run or sets or need_mesh:
+        mesh, loaded = build_mesh(spec if run else None, None if run else model_name, list(sets), device)
+        tokenizer = loaded.tokenizer
+        generate_batch = mesh_generator(tokenizer, mesh=mesh)
+        if run and mesh.cfg.boundary.kind not in ARCHITECTURAL_KINDS:
+            from thinpipe.models import merge_stages
+            from thinpipe.models.lora import merge_lora
 
-        cfg = load_config(path / "config.toml")
-        _, mesh, loaded = load_mesh(path, device)
-        generate_batch = mesh_generator(loaded.tokenizer, mesh=mesh)
-        if cfg.boundary.kind in ARCHITECTURAL_KINDS:
-            return mesh.logits, loaded.tokenizer, generate_batch
-        model = merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device).eval()  # as load_run
-        return logits_fn_from_model(model), loaded.tokenizer, generate_batch
-    loaded = load_model(DEFAULT_MODEL if spec == "default" else spec)
+            model = merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device).eval()  # as load_run
+            return logits_fn_from_model(model), tokenizer, generate_batch, mesh
+        return mesh.logits, tokenizer, generate_batch, mesh
+    loaded = load_model(DEFAULT_MODEL if model_name is None else model_name)
     loaded.model.to(resolve_device(device)).eval()
-    return logits_fn_from_model(loaded.model), loaded.tokenizer, mesh_generator(loaded.tokenizer, model=loaded.model)
+    return logits_fn_from_model(loaded.model), loaded.tokenizer, mesh_generator(loaded.tokenizer, model=loaded.model), \
+        None
 
 
 def mesh_generator(tokenizer, mesh=None, model=None):

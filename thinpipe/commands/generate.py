@@ -83,35 +83,6 @@ def encode(tokenizer, text: str, chat: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def build_mesh(args):
-    """(mesh, tokenizer) of --run DIR or of --model / --set."""
-    from thinpipe.config import load_config
-
-    if args.run:
-        from thinpipe.commands.preflight import check_run
-        from thinpipe.engine.run_folder import load_mesh
-
-        if args.model:
-            raise ConfigError("give --model or --run, not both: a run folder holds its own model")
-        others = [s for s in args.set if s.split("=", 1)[0].strip() != "train.device"]
-        if others:
-            raise ConfigError(f"--run samples with the run's own config: --set takes only train.device there, got "
-                              f"{others[0]!r}")
-        device = load_config(None, args.set).train.device
-        check_run(Path(args.run))
-        _, mesh, loaded = load_mesh(args.run, device)
-        return mesh, loaded.tokenizer
-    from thinpipe.commands.preflight import validate_names
-    from thinpipe.engine.sim_mesh import SimMesh
-    from thinpipe.rank.from_config import load, place
-
-    cfg = load_config(None, [*args.set, *([f"model.name={args.model}"] if args.model else [])])
-    validate_names(cfg)
-    device = place(cfg)
-    loaded = load(cfg)
-    return SimMesh(loaded.model, cfg, device), loaded.tokenizer
-
-
 def run(args) -> int:
     from thinpipe.rank.generation import Sampling
 
@@ -122,11 +93,13 @@ def run(args) -> int:
     texts = read_prompts(args)
     import torch
 
+    from thinpipe.commands.mesh_source import build_mesh
     from thinpipe.console import say
     from thinpipe.engine.sim_generate import generate_on_mesh
     from thinpipe.rank.generation import finish_reason, truncate_completion
 
-    mesh, tokenizer = build_mesh(args)
+    mesh, loaded = build_mesh(args.run, args.model, args.set)
+    tokenizer = loaded.tokenizer
     eos = getattr(tokenizer, "eos_token_id", None)
     sampling.eos_ids = [int(eos)] if eos is not None else []
     prompts = [encode(tokenizer, t, args.chat) for t in texts]

@@ -22,7 +22,8 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapters' input (0 keeps runs bitwise repeatable)."""
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
-    """Module names that get adapters (default: every linear map of the decoder layers)."""
+    """Module names that get adapters (default: every linear map of the decoder layers, under the model
+    family's own names: Phi-3's fused ``qkv_proj`` / ``gate_up_proj``; docs/models.md)."""
 
     def validate(self) -> None:
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:

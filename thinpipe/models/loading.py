@@ -22,6 +22,7 @@ from thinpipe.config import ConfigError
 from thinpipe.data import ByteTokenizer
 from thinpipe.data.byte_tokenizer import MARKER as BYTE_MARKER
 from thinpipe.data.fetch import cache_dir
+from thinpipe.models.families import GGUF_ARCHITECTURES, Family, check_model_type, family_of
 from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
 
 
@@ -56,13 +57,44 @@ def resolve_model_name(name: str) -> str:
             if f.read(4) != b"GGUF":
                 raise ConfigError(f"model.name: {name!r} is not a GGUF file (it does not start with the GGUF magic "
                                   "bytes): give a .gguf model file or a Hugging Face model folder")
+        check_model_type(gguf_model_type(path), f"model.name {name!r}")
         return name
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.name: folder {name!r} has no config.json; give a Hugging Face model folder")
+        folder_family(path, f"model.name {name!r}")
         return name
     raise ConfigError(f"model.name = {name!r} is neither a preset ({', '.join(PRESETS)}) nor an existing "
                       "model folder or .gguf file")
+
+
+def gguf_model_type(path: Path) -> str:
+    """The Hugging Face ``model_type`` a GGUF file loads as, from its ``general.architecture`` (metadata
+    only: no tensor is read)."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(path).fields["general.architecture"]
+        arch = bytes(field.parts[field.data[0]]).decode()
+    except (KeyError, IndexError, ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.name: GGUF file {str(path)!r} has no readable general.architecture ({e}): "
+                          "give a GGUF file written by llama.cpp's converter") from None
+    return GGUF_ARCHITECTURES.get(arch, arch)
+
+
+def folder_family(folder: Path, where: str) -> tuple[Family, object]:
+    """The family and config of a model folder, read from its config.json before any weight is: an
+    unsupported ``model_type`` or option is one ConfigError line."""
+    import json
+
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: config.json is not readable JSON ({e})") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    check_model_type(model_type, where)
+    config = AutoConfig.from_pretrained(folder)
+    return family_of(config, where), config
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -114,7 +146,8 @@ def model_folder(name: str) -> Path | None:
 
 
 def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
-    """Load model + tokenizer in fp32 with SDPA attention. ``seed`` only matters for random presets."""
+    """Load model + tokenizer in fp32 with SDPA attention (eager where the family needs it:
+    ``models/families.py``). ``seed`` only matters for random presets."""
     name = resolve_model_name(name)
     folder = model_folder(name)
     if folder is None:
@@ -124,7 +157,9 @@ def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         return LoadedModel(model.eval(), ByteTokenizer(), name)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa")
+    family, config = folder_family(folder, f"model.name {name!r}")  # a GGUF's converted folder is checked here
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                 attn_implementation=family.attn_implementation(config))
     return LoadedModel(model.eval(), load_tokenizer(folder), name)
 
 

@@ -23,6 +23,9 @@ import math
 import torch
 from torch import nn
 
+from thinpipe.config import LORA_TARGETS
+from thinpipe.models.families import family_of
+
 
 def adapter_seed(seed: int, name: str) -> int:
     """The seed of one adapter parameter's initial draw: a stable hash of (run seed, its name in the
@@ -65,6 +68,15 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             p.copy_(adapter_init(name, p.shape, p.dtype, seed))
 
 
+def default_targets(config, requested) -> list[str]:
+    """The modules that get adapters: ``requested``, except that the default (every linear map of a Llama
+    decoder layer) means every linear map of *this* family's decoder layers (Phi-3's fused ``qkv_proj`` and
+    ``gate_up_proj``, Qwen3-MoE's attention only: its experts are fused tensors, not linear modules)."""
+    if list(requested) == list(LORA_TARGETS):
+        return list(family_of(config).lora_targets)
+    return list(requested)
+
+
 def apply_lora(model: nn.Module, lora, seed: int = 0) -> nn.Module:
     """Inject adapters per ``lora`` (a ``LoraConfig`` section of the config) in place, initialise
     them by name from ``seed`` (``adapter_init``), freeze the rest. The global RNG is left as it
@@ -73,13 +85,14 @@ def apply_lora(model: nn.Module, lora, seed: int = 0) -> nn.Module:
         return model
     from peft import LoraConfig, inject_adapter_in_model
 
+    targets = default_targets(model.config, lora.target_modules)
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in lora.target_modules if t not in present]
+    missing = [t for t in targets if t not in present]
     if missing:
         raise ValueError(f"train.lora.target_modules {missing} are not modules of this model; it has e.g. "
                          f"{sorted(x for x in present if x.endswith('proj'))}")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                        target_modules=list(lora.target_modules), bias="none")
+                        target_modules=targets, bias="none")
     with torch.random.fork_rng(devices=[]):  # peft builds adapters on the CPU; CUDA's RNG is not touched
         model = inject_adapter_in_model(config, model)
     init_adapters(model, seed)

@@ -31,6 +31,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from thinpipe.config import ConfigError
+from thinpipe.models.families import family_of
 from thinpipe.models.lora import adapter_init, apply_lora
 from thinpipe.models.stages import Stage, build_stages, hf_name
 
@@ -71,7 +72,8 @@ def empty_model(config) -> PreTrainedModel:
     device and real buffers. ``init_empty_weights`` skips transformers' weight tying, so it is done
     here as ``from_pretrained`` does (the head then is the embedding, as in a loaded model)."""
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=family_of(config).attn_implementation(config))
     model.tie_weights()
     return model.eval()
 

@@ -2,10 +2,12 @@
 
 Stage 0 holds the token embeddings, the last stage the final norm, the LM head and the loss. Each
 stage holds its own rotary module (buffers only), so it computes position embeddings locally from
-position ids instead of receiving them. Works for any Hugging Face decoder whose layout is
-``model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head`` (Llama, Qwen2,
-Mistral, ...). Submodules keep their Hugging Face names, so ``hf_state_dict`` of all stages
-reassembles the original checkpoint.
+position ids instead of receiving them. The decoder layers are the model's own; what its forward does
+around them (embedding multiplier, each layer's attention kind and sliding window, rotary per layer
+type, the head's soft-cap or logit scale, eager attention where only it is exact) comes from the
+model's family (``models/families.py``), and a family thinpipe has no entry for is refused. The layout
+is ``model.embed_tokens / model.layers / model.norm / model.rotary_emb / lm_head``. Submodules keep
+their Hugging Face names, so ``hf_state_dict`` of all stages reassembles the original checkpoint.
 
 Tied embeddings: with more than one stage, the first and last stage each hold a copy of the tied
 matrix; the engine sums their gradients every step (``model.tied = "sync"``), which keeps them equal,
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from thinpipe.config import ConfigError
+from thinpipe.models.families import Family, additive_mask, family_of, sliding_window_mask
 
 
 def balanced_split(num_layers: int, num_stages: int) -> list[int]:
@@ -72,10 +75,19 @@ class Stage(nn.Module):
     """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?"""
 
     def __init__(self, index: int, num_stages: int, first_layer: int, layers: list[nn.Module], rotary: nn.Module,
-                 embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None):
+                 embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
+                 family: Family, config):
         super().__init__()
         self.index, self.num_stages, self.first_layer = index, num_stages, first_layer
         self.layers = nn.ModuleDict({str(first_layer + i): layer for i, layer in enumerate(layers)})
+        # The model's forward around its layers (models/families.py); the config is the model's own, shared
+        # with its layers (which read their attention implementation from it).
+        self.family, self.model_config = family, config
+        span = slice(first_layer, first_layer + len(layers))
+        self.layer_types = family.layer_types(config)[span]
+        self.windows = family.layer_windows(config)[span]
+        self.embed_scale = family.embed_scale(config) if embed_tokens is not None else None
+        self.eager = config._attn_implementation == "eager"
         self.rotary_emb = rotary
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
@@ -110,15 +122,35 @@ class Stage(nn.Module):
         (the global layer number, so one stage's cache holds its layers alone); ``ctx.attn_mask`` is
         then (B, 1, T, cached + T) and ``ctx.position_ids`` the new tokens' positions."""
         h = self.embed_tokens(x) if self.is_first else x
-        pos = self.rotary_emb(h, ctx.position_ids)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        pos = self.position_embeddings(h, ctx.position_ids)
+        masks = self.layer_masks(ctx.attn_mask)
         kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
-        for layer in self.layers.values():
-            h = layer(h, attention_mask=ctx.attn_mask, position_ids=ctx.position_ids, position_embeddings=pos, **kv)
+        for layer, kind, window in zip(self.layers.values(), self.layer_types, self.windows):
+            h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids, position_embeddings=pos[kind],
+                      **kv)
         return h
 
+    def position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """Rotary (cos, sin) per layer type of this stage (one for all, unless the family has one per type)."""
+        if self.family.rotary_per_layer_type:
+            return {kind: self.rotary_emb(h, position_ids, kind) for kind in dict.fromkeys(self.layer_types)}
+        pos = self.rotary_emb(h, position_ids)
+        return dict.fromkeys(self.layer_types, pos)
+
+    def layer_masks(self, mask: torch.Tensor) -> dict:
+        """The attention mask per sliding window of this stage's layers (None: full): the packed-document
+        causal ``mask`` (B, 1, q, kv) restricted to each window, additive floats for eager attention."""
+        out = {}
+        for window in dict.fromkeys(self.windows):
+            m = mask if window is None else sliding_window_mask(mask, window)
+            out[window] = additive_mask(m, torch.float32) if self.eager else m
+        return out
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Last stage: vocabulary logits (B, T, V) of hidden states."""
-        return self.lm_head(self.norm(h))
+        """Last stage: vocabulary logits (B, T, V) of hidden states, with the family's head transform."""
+        return self.family.head(self.lm_head(self.norm(h)), self.model_config)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """This stage's parameters under their names in the original Hugging Face model."""
@@ -139,6 +171,10 @@ def hf_name(stage_name: str) -> str:
 def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> list[Stage]:
     """Deep-copy ``model`` once and carve it into stages (a fresh, independent set of modules)."""
     model = copy.deepcopy(model)
+    family = family_of(model.config)
+    # the attention the family is exact with (eager for Gemma 2's attention soft-cap): on the copy, whose
+    # layers read it from their config at every call
+    model.config._attn_implementation = family.attn_implementation(model.config)
     inner = model.model
     layers = list(inner.layers)
     split = list(split) if split else balanced_split(len(layers), num_stages)
@@ -156,7 +192,8 @@ def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> 
                                        requires_grad=model.lm_head.weight.requires_grad)  # frozen under LoRA
         stages.append(Stage(s, num_stages, start, layers[start:start + n],
                             copy.deepcopy(inner.rotary_emb) if s else inner.rotary_emb,
-                            inner.embed_tokens if first else None, inner.norm if last else None, head))
+                            inner.embed_tokens if first else None, inner.norm if last else None, head,
+                            family, model.config))
         stages[-1].tied_embeddings = bool(model.config.tie_word_embeddings)
         start += n
     return stages
