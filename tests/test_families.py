@@ -234,3 +234,29 @@ def test_eval_perplexity_through_the_mesh_equals_transformers(family, tmp_path, 
     want, n = hf_nll(family_model(family), TEXTS)
     assert got["tokens"] == n and got["pp"] == 2 and got["rows"] == 3
     assert got["nll_sum"] == pytest.approx(want, rel=1e-5)
+
+
+def write_gguf(path, architecture: str):
+    """A GGUF file with its architecture and one tensor: what the family check reads (metadata only)."""
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_block_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_a_gguf_file_is_checked_by_its_architecture_before_conversion(tmp_path, capsys):
+    from thinpipe.models.loading import gguf_model_type, resolve_model_name
+
+    gemma3 = write_gguf(tmp_path / "g3.gguf", "gemma3")
+    assert gguf_model_type(gemma3) == "gemma3_text" and resolve_model_name(str(gemma3)) == str(gemma3)
+    falcon = write_gguf(tmp_path / "f.gguf", "falcon")
+    assert main(["generate", "--model", str(falcon), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model family 'falcon' is not supported" in err[0]
