@@ -512,6 +512,23 @@ CASES = [
          "a group needs at least 2 rollouts"),
     Case("generate-temperature", "generate --temperature -1", ["generate", "--model", "tiny-llama", "--prompt", "x",
                                                                "--temperature", "-1"], "temperature"),
+    Case("family-refused", "a model folder of an unsupported family (gpt_neox)",
+         ["train", "--out", "{tmp}/out", "--set", "model.name={tmp}/neox"], "model family 'gpt_neox' is not supported",
+         files={"neox/config.json": json.dumps({"model_type": "gpt_neox", "num_hidden_layers": 2})}),
+    Case("family-option", "a Qwen3-MoE folder with output_router_logits = true",
+         ["train", "--out", "{tmp}/out", "--set", "model.name={tmp}/moe"], "output_router_logits = true",
+         files={"moe/config.json": json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 2,
+                                               "output_router_logits": True})}),
+    Case("ppl-missing", "eval --perplexity of a missing file",
+         ["eval", "--model", "tiny-llama", "--perplexity", "{tmp}/none.jsonl"], "no such file"),
+    Case("ppl-no-text", "an eval --perplexity row without text",
+         ["eval", "--model", "tiny-llama", "--perplexity", "{tmp}/p.jsonl"], 'line 2: each line is an object with a '
+         'non-empty "text"', files={"p.jsonl": _jsonl({"text": "fine"}, {"prompt": "no text"})}),
+    Case("eval-nothing", "eval with neither --tasks nor --perplexity", ["eval", "--model", "tiny-llama"],
+         "give --tasks"),
+    Case("eval-run-set", "eval --set mesh.pp=2 on a run folder", ["eval", "--model", "{run}", "--perplexity",
+                                                                  "{tmp}/p.jsonl", "--set", "mesh.pp=2"],
+         "--set takes only train.device there", files={"p.jsonl": _jsonl({"text": "fine"})}, slow=True),
 ]
 
 
