@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from tests.test_toy_boundary import assert_same_run_files
 from thinpipe.checkpoint import load_part, sets
 from thinpipe.cli import main
 
@@ -60,9 +61,12 @@ CASES = {
                                                                "--set", "boundary.bwd_bits=1",
                                                                "--set", "boundary.outlier_bwd_tokens=0.5"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
+    # also a checkpoint and a held-out loss every 2 steps (the rows' val_loss, the checkpoint mid-run)
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                               "--set", "mesh.dp=2", "--set", "boundary.kind=bottleneck",
-                                              "--set", "boundary.p=0.75"]),
+                                              "--set", "boundary.p=0.75", "--set", "train.steps=4",
+                                              "--set", "train.checkpoint_every=2", "--set", "eval.every=2",
+                                              "--set", "train.keep_checkpoints=1"]),
     # LoRA: the anchor row pulls and pushes adapters only; DiLoCo syncs adapters only.
     "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                                          "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
@@ -111,6 +115,10 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
     r = launch(nproc, dist_out, [*BASE, *args])
     assert r.returncode == 0, r.stderr[-3000:]
     assert results(dist_out) == results(sim)
+    if "anchor row" not in case:
+        # every field of every row and of the summary, but wall-clock ones. (With an anchor row, a row's
+        # anchor_bytes counts the pushes that have arrived by then, asynchronous in dist: totals equal above.)
+        assert_same_run_files(sim, dist_out)
     # every rank, the anchor's too, holds its part of the final set (and only of it: keep_checkpoints)
     assert sorted(p.name for p in (dist_out / "checkpoint").glob("*/*.sha256")) == \
         [f"rank{r}.sha256" for r in range(nproc)]
@@ -353,8 +361,9 @@ def _netns_available() -> bool:
 
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         return False
-    ok = subprocess.run(["ip", "netns", "add", "tpprobe"], capture_output=True).returncode == 0
-    subprocess.run(["ip", "netns", "del", "tpprobe"], capture_output=True)
+    probe = f"tpprobe{os.getpid()}"  # per process: parallel test workers probe at the same time
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return ok
 
 

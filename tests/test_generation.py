@@ -249,6 +249,7 @@ def test_generate_command_prints_completions_and_json_records(tmp_path, capsys):
         assert line in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_eval_generates_on_the_mesh_as_the_old_paths_did(tmp_path, capsys):
     """gsm8k on tiny runs: the batched mesh generation gives the old one-by-one paths' completions
     (the merged model with Hugging Face's cache for a dense run, the whole-sequence mesh logits for MAPL)."""

@@ -92,7 +92,7 @@ def test_gpu_check_runs_every_stage_when_each_fails_or_hangs(tmp_path):
     fake.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Python 0 (hangs)" && exit 0\nsleep 20\n')
     fake.chmod(0o755)
     out = tmp_path / "out"
-    limits = {f"GPU_CHECK_TIMEOUT_{k}": "1" for k in ("ENV", "PYTEST", "THROUGHPUT", "PLAN", "SUMMARY")}
+    limits = {f"GPU_CHECK_TIMEOUT_{k}": "0.5" for k in ("ENV", "PYTEST", "THROUGHPUT", "PLAN", "SUMMARY")}
     r = _check("--out", str(out), env={"PYTHON": str(fake), **limits}, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     summary = json.loads((out / "summary.json").read_text())
@@ -102,7 +102,7 @@ def test_gpu_check_runs_every_stage_when_each_fails_or_hangs(tmp_path):
         if name == "pytest_gpu" and s["rc"] == 5:  # a tree without gpu-marked tests: python never started
             assert s["status"] == "failed"
         else:
-            assert s["status"] == "timeout" and s["rc"] == 124 and s["seconds"] > 0.5, (name, s)
+            assert s["status"] == "timeout" and s["rc"] == 124 and s["seconds"] >= 0.4, (name, s)  # ran to its limit
     assert f"python: {fake}" in r.stdout
 
 

@@ -121,9 +121,20 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def _gguf_folder(gguf: Path) -> Path:
+    """The converted folder of ``gguf``, converting it first if no process has. Processes that start at
+    once (the ranks of ``thinpipe launch`` on one machine, parallel test workers) take turns on a lock
+    file beside it: one converts, the others wait and then read its folder, so none removes a folder
+    another is reading."""
+    import fcntl
+
     out = cache_root() / "models" / gguf.stem
-    if not (out / "config.json").is_file():
-        _convert_gguf(gguf, out)
+    if (out / "config.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{gguf.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not (out / "config.json").is_file():
+            _convert_gguf(gguf, out)
     return out
 
 
