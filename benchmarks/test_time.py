@@ -65,7 +65,7 @@ def main() -> int:
         result = {"make_test_s": round(full_s, 1), "make_test_fast_s": round(fast_s, 1), "tests": tests,
                   "cores": os.cpu_count(), "commit": commit, "xdist": args.xdist if args.xdist is not None else
                   "Makefile default", "make_test_rc": rc_full, "make_test_fast_rc": rc_fast,
-                  "summaries": re.findall(r"^=*\s*(\d+ passed.*?) in [\d.]+s", log.read_text(), re.M)}
+                  "summaries": re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", log.read_text(), re.M)}
         print(f"{'command':<16}{'seconds':>9}{'minutes':>9}  exit")
         print(f"{'make test-fast':<16}{fast_s:>9.1f}{fast_s / 60:>9.2f}  {rc_fast}")
         print(f"{'make test':<16}{full_s:>9.1f}{full_s / 60:>9.2f}  {rc_full}")

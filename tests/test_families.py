@@ -223,7 +223,7 @@ def hf_nll(model, texts) -> tuple[float, int]:
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hi", "Sliding windows see four tokens back."]
 
 
-@pytest.mark.parametrize("family", ["gemma2", "mistral", "granite", "cohere"])
+@pytest.mark.parametrize("family", list(FAMILY_KEYS))
 def test_eval_perplexity_through_the_mesh_equals_transformers(family, tmp_path, capsys):
     folder = family_folder(family, tmp_path / "model")
     data = tmp_path / "text.jsonl"
