@@ -87,7 +87,6 @@ class Stage(nn.Module):
         self.layer_types = family.layer_types(config)[span]
         self.windows = family.layer_windows(config)[span]
         self.embed_scale = family.embed_scale(config) if embed_tokens is not None else None
-        self.eager = config._attn_implementation == "eager"
         self.rotary_emb = rotary
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
@@ -95,6 +94,11 @@ class Stage(nn.Module):
         # basis): they train, sync and checkpoint with the stage but are not part of the HF model.
         self.boundary_modules = nn.ModuleDict()
         self.boundary_modules.register_load_state_dict_pre_hook(_rename_legacy_boundary_keys)
+
+    @property
+    def eager(self) -> bool:
+        """Whether the layers run eager attention (read from the config they read it from): it adds its mask."""
+        return self.model_config._attn_implementation == "eager"
 
     @property
     def is_first(self) -> bool:
