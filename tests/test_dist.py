@@ -46,20 +46,21 @@ CASES = {
     "AQ-SGD over revisited rows, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
                                                  "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
                                                  "--set", "train.steps=5"]),
-    # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles both ways.
-    "outlier channels + rotated 2-bit, 2 replicas x 3 stages": (6, [
+    # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles forward on issue 26's
+    # Lloyd-Max grid, a token-sparse 1-bit backward (the receiver's bitmap of the kept tokens crosses with
+    # their codes).
+    "outlier channels + Lloyd-Max + token-sparse backward, 2 replicas x 3 stages": (6, [
         "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
-        "--set", "boundary.outlier_channels=4", "--set", "boundary.quant_group=16"]),
-    # Issue 26's outlier settings: the Lloyd-Max grid, per-token backward scales, a token-sparse backward
-    # (the receiver's bitmap of the kept tokens crosses with their codes).
-    "outlier Lloyd-Max + token-sparse backward, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
-                                                               "--set", "boundary.kind=outlier",
-                                                               "--set", "boundary.outlier_channels=4",
-                                                               "--set", "boundary.quant_group=16",
-                                                               "--set", "boundary.outlier_grid=lloyd-max",
-                                                               "--set", "boundary.outlier_bwd_scale_group=-1",
-                                                               "--set", "boundary.bwd_bits=1",
-                                                               "--set", "boundary.outlier_bwd_tokens=0.5"]),
+        "--set", "boundary.outlier_channels=4", "--set", "boundary.quant_group=16",
+        "--set", "boundary.outlier_grid=lloyd-max", "--set", "boundary.outlier_bwd_scale_group=-1",
+        "--set", "boundary.bwd_bits=1", "--set", "boundary.outlier_bwd_tokens=0.5"]),
+    # Issue 36's KLT codec: the basis fitted by replica 0's sender, broadcast (metered on pp_params) to both
+    # ends of every replica; loss tokens 3 bits/dim, the others 1 (payload shapes follow the labels); at step 2
+    # both ends of each replica refit the basis and fit the gradient's own from the decoded data they hold.
+    "KLT, loss/context bits, refresh, 2 replicas x 2 stages": (4, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "boundary.kind=klt",
+        "--set", "boundary.quant_group=16", "--set", "boundary.klt_bits=3", "--set", "boundary.klt_context_bits=1",
+        "--set", "boundary.klt_refresh_every=2", "--set", "train.steps=4"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
     # also a checkpoint and a held-out loss every 2 steps (the rows' val_loss, the checkpoint mid-run)
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",

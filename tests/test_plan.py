@@ -340,7 +340,9 @@ def test_shared_links_slow_the_pipeline_by_the_replica_count():
                                   "outlier:boundary.outlier_grid=lloyd-max:boundary.outlier_bwd_tokens=0.5",
                                   "outlier:boundary.outlier_bwd_tokens=0.25:boundary.outlier_bwd_scale_group=192",
                                   "outlier:boundary.compress=fwd", "outlier:boundary.compress=bwd",
-                                  "outlier:boundary.outlier_fwd_bits=[3]:boundary.outlier_grid=lloyd-max"])
+                                  "outlier:boundary.outlier_fwd_bits=[3]:boundary.outlier_grid=lloyd-max",
+                                  # issue 36's KLT codec (every token scored: the bound the planner uses)
+                                  "klt", "klt:boundary.klt_bits=3.5:boundary.klt_bwd_tokens=1:boundary.klt_channels=0"])
 def test_planner_bytes_for_the_baselines_match_the_boundarys_own_formula(kind):
     """PP bytes/token from the planner == the boundary object's expected_bytes (fwd + bwd) per token
     and boundary, on SmolLM2 (H 576) at fp32."""

@@ -60,6 +60,7 @@ def rows(folder):
 STATELESS = {"identity": {}, "mask": {"boundary.kind": "mask", "boundary.p": 0.9},
              "quant4": {"boundary.kind": "quant4"}, "topk": {"boundary.kind": "topk", "boundary.p": 0.5},
              "outlier": {"boundary.kind": "outlier", "boundary.outlier_channels": 4, "boundary.quant_group": 16},
+             "klt": {"boundary.kind": "klt", "boundary.quant_group": 16},
              "bottleneck": {"boundary.kind": "bottleneck", "boundary.p": 0.75},
              "mapl": {"boundary.kind": "mapl", "boundary.rank": 8}, "ssn": {"boundary.kind": "ssn", "boundary.rank": 8}}
 

@@ -46,7 +46,8 @@ DENSE_BF16 = HIDDEN * 2 * 2 * BOUNDARIES          # 6,912 B/token
 GOAL_B, MILESTONE_B = 345, 691  # goal / milestone: 1/20 and 1/10 of the bf16 Dense wire (345.6, 691.2), rounded down
 WITHIN, WORST_SEED, SEEDS = 0.01, 0.015, (0, 1, 2)
 SETTING_KEYS = ("p", "fwd_bits", "bwd_bits", "outlier_channels", "outlier_grid", "outlier_bwd_tokens",
-                "outlier_fwd_bits", "compress", "rank")
+                "outlier_fwd_bits", "compress", "rank", "klt_bits", "klt_context_bits", "klt_bwd_tokens",
+                "klt_channels", "klt_scale", "klt_refresh_every")
 
 
 def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
@@ -55,6 +56,8 @@ def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
     b = cfg["boundary"]
     if b["kind"] in ("mapl", "ssn"):
         return fp32_bytes - b["rank"] * 2 * 2 * BOUNDARIES
+    if b["kind"] == "klt":  # codes, bf16 scales and bf16 channels both ways: nothing crosses in the wire dtype
+        return fp32_bytes
     c = Config()
     skip = ("dtype", "anchor")  # the wire is what this computes; "anchor" is an old name of MAPL's offset
     apply_overrides(c, {"mesh.pp": BOUNDARIES + 1, **{f"boundary.{k}": v for k, v in b.items() if k not in skip}},
@@ -82,7 +85,11 @@ def arm_row(folder: Path, source: str) -> dict | None:
     b = cfg["boundary"]
     vals = s["val_points"]
     best_step, best = min(vals, key=lambda v: v[1])
-    pp = s["bytes_per_token"]["pp_fwd"] + s["bytes_per_token"]["pp_bwd"]
+    # side information (a start's basis and tables, MAPL's projector sync): metered on pp_params, sent in its
+    # own dtype whatever the wire, and counted in both columns
+    side = s["bytes_per_token"].get("pp_params", 0.0)
+    acts = s["bytes_per_token"]["pp_fwd"] + s["bytes_per_token"]["pp_bwd"]
+    pp = acts + side
     committed = " (committed)" if source.endswith("(committed)") else ""
     return {"arm": arm_name(folder, cfg) + committed, "folder": str(folder.relative_to(HERE.parent.parent)),
             "source": source,
@@ -91,8 +98,8 @@ def arm_row(folder: Path, source: str) -> dict | None:
             "settings": {k: v for k, v in b.items() if k in SETTING_KEYS},
             "anchor": cfg["mesh"].get("anchor", 0),
             "pp_fwd_bytes_per_token": s["bytes_per_token"]["pp_fwd"],
-            "pp_bwd_bytes_per_token": s["bytes_per_token"]["pp_bwd"], "pp_bytes_per_token": pp,
-            "pp_bytes_per_token_bf16": bf16_bytes(cfg, pp),
+            "pp_bwd_bytes_per_token": s["bytes_per_token"]["pp_bwd"], "pp_side_bytes_per_token": side,
+            "pp_bytes_per_token": pp, "pp_bytes_per_token_bf16": bf16_bytes(cfg, acts) + side,
             "initial_val_loss": vals[0][1], "best_val_loss": best, "best_step": best_step,
             "final_val_loss": s["final_val_loss"], "val_points": vals, "wall_s": s["wall_s"]}
 
@@ -122,6 +129,9 @@ def pair(rows: list[dict]) -> None:
         r["dense_final_val_loss"] = d["final_val_loss"] if d else None
         r["gap"] = r["final_val_loss"] / d["final_val_loss"] - 1 if d else None
         r["best_gap"] = r["best_val_loss"] / d["best_val_loss"] - 1 if d else None
+        # the gap at every held-out point both runs have (does it shrink with training?)
+        dense_at = dict((int(st), v) for st, v in d["val_points"]) if d else {}
+        r["val_gaps"] = [[int(st), v / dense_at[int(st)] - 1] for st, v in r["val_points"] if int(st) in dense_at]
 
 
 def settings(rows: list[dict]) -> list[dict]:

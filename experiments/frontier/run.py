@@ -41,6 +41,13 @@ def lm(fwd: int, bwd: int, channels: int = 16, **more) -> dict:
     return outlier(fwd, bwd, channels, per_token=True, outlier_grid="lloyd-max", outlier_bwd_scale_group=-1, **more)
 
 
+def klt(loss_bits: float, context_bits: float, bwd_tokens: float, bwd_bits: int = 1, **more) -> dict:
+    """The klt kind: its basis fitted on 16 batches (8,192 tokens) at the start."""
+    return {"boundary.kind": "klt", "boundary.klt_bits": loss_bits, "boundary.klt_context_bits": context_bits,
+            "boundary.klt_bwd_tokens": bwd_tokens, "boundary.bwd_bits": bwd_bits, "boundary.pca_batches": 16,
+            **{f"boundary.klt_{k}": v for k, v in more.items()}}
+
+
 ARMS = {
     "Dense": {},
     "Outlier 2b-2b": outlier(2, 2),
@@ -78,6 +85,19 @@ ARMS = {
     "LM 2-3-2b-1b tok C8 T50": lm(2, 1, channels=8, outlier_fwd_bits=[2, 3, 2], outlier_bwd_tokens=0.5),
     # between LM 3b (probe +5.0%) and LM 4b (+1.4%, trained +0.77%): the sensitive middle boundary at 4 bits
     "LM 3-4-3b-1b tok": lm(3, 1, outlier_fwd_bits=[3, 4, 3]),
+    # issue 36: transform coding in the activations' KLT basis, bits by reverse water-filling, loss / context
+    # tokens at their own bits, the token-sparse Lloyd-Max backward (T = kept share). The first arms: one scale
+    # per token and 16 intact channels ("tok C16"; their heavy tokens clip: README "The KLT codec")
+    **{f"KLT {lb}-{cb}b-1b T{round(t * 100)}": klt(lb, cb, t, scale="token", channels=16) for lb, cb, t in
+       ((3, 1, 0.5), (3.5, 1, 0.5), (4, 1, 0.5), (3, 1.5, 0.5), (2.5, 1, 0.5), (3, 1, 1.0), (2, 1, 0.5), (3, 0.5, 0.5),
+        (3, 3, 0.5))},
+    # one scale per token and bit width, 4 intact channels (the kind's defaults)
+    **{f"KLTw {lb}-{cb}b-1b T{round(t * 100)}": klt(lb, cb, t) for lb, cb, t in
+       ((3, 1, 0.5), (2.5, 1, 0.5), (2, 1, 0.5), (3, 1, 0.75), (3, 1, 1.0), (2.5, 1, 0.75), (3, 1.5, 0.5),
+        (2.5, 0.5, 0.5))},
+    "KLTw 3-1b-1b T50 C16": klt(3, 1, 0.5, channels=16),
+    # both ends refit the forward basis and fit the gradient's own every 20 steps (no bytes)
+    "KLTw 3-1b-1b T75 R20": klt(3, 1, 0.75, refresh_every=20),
 }
 
 

@@ -34,7 +34,7 @@ def main() -> None:
     apply_overrides(cfg, {k: v for k, v in FRONTIER_BASE.items() if k.startswith(PROBE_KEYS)})
     cfg.validate()
     names = [a.strip() for a in args.only.split(",") if a.strip()] or [a for a, s in ARMS.items()
-                                                                        if s.get("boundary.kind") == "outlier"]
+                                                                        if s.get("boundary.kind") in ("outlier", "klt")]
     grid = [("dense", {"boundary.kind": "identity"})] + [(a, ARMS[a]) for a in names]
     only = [int(b) for b in args.boundaries.split(",") if b.strip()] or None
     result = probe(cfg, grid, args.batches, only)

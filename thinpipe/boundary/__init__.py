@@ -7,6 +7,7 @@ import torch
 from thinpipe.boundary.aqsgd import AqsgdBoundary
 from thinpipe.boundary.base import Boundary, Payload
 from thinpipe.boundary.bottleneck import BottleneckBoundary
+from thinpipe.boundary.klt import KltBoundary
 from thinpipe.boundary.mapl import MaplBoundary
 from thinpipe.boundary.mapl_vq import MaplVQBoundary
 from thinpipe.boundary.mask import MaskBoundary, kept_dims
@@ -18,7 +19,8 @@ from thinpipe.boundary.topk import TopKBoundary
 from thinpipe.config import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
-__all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "MaplBoundary", "MaplVQBoundary", "MaskBoundary",
+__all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "KltBoundary", "MaplBoundary", "MaplVQBoundary",
+           "MaskBoundary",
            "OutlierBoundary", "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary",
            "TopKBoundary", "build_boundaries", "kept_dims"]
 
@@ -55,6 +57,12 @@ def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
                            compress=cfg.compress)
 
 
+def _klt(cfg, b, hidden, seed, wire_dtype, model, shared):
+    return KltBoundary(b, hidden, cfg.klt_bits, cfg.klt_context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
+                       channels=cfg.klt_channels, bwd_tokens=cfg.klt_bwd_tokens, refresh_every=cfg.klt_refresh_every,
+                       scale=cfg.klt_scale)
+
+
 def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):
     return BottleneckBoundary(b, hidden, cfg.p, seed, wire_dtype)
 
@@ -80,7 +88,7 @@ def _mapl(cfg, b, hidden, seed, wire_dtype, model, shared):
 
 
 BUILTIN = {"mask": _mask, "topk": _topk, "quant4": _quant, "quant2": _quant, "aqsgd": _quant, "tahquant": _tahquant,
-           "outlier": _outlier, "bottleneck": _bottleneck, "ssn": _ssn, "mapl": _mapl, "mapl-vq": _mapl}
+           "outlier": _outlier, "klt": _klt, "bottleneck": _bottleneck, "ssn": _ssn, "mapl": _mapl, "mapl-vq": _mapl}
 
 
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None,

@@ -139,10 +139,12 @@ class Boundary(nn.Module):
         depends on the data overrides this with a true bound."""
         return self.expected_bytes(tokens, element_size)
 
-    def payload_expect(self, direction: str, tokens: int) -> Expect:
+    def payload_expect(self, direction: str, tokens: int, ctx=None) -> Expect:
         """What the receiving end of ``direction`` ("fwd": the activation, "bwd": its gradient)
         accepts for a microbatch of ``tokens`` tokens (docs/security.md: receivers decide what they
-        allocate). Without a wire dtype an activation crosses in the compute dtype: fp32 at most."""
+        allocate). Without a wire dtype an activation crosses in the compute dtype: fp32 at most.
+        ``ctx`` (the microbatch's context, when the caller has it) lets a kind whose payload depends
+        on what both ends know of the batch (``klt``: its loss tokens) name the exact tensors."""
         size = torch.empty(0, dtype=self.wire_dtype).element_size() if self.wire_dtype is not None else 4
         fwd, bwd = self.max_bytes(tokens, size)
         return Expect(max_bytes=fwd if direction == "fwd" else bwd)

@@ -51,6 +51,15 @@ def gaussian_levels(bits: int) -> tuple[float, ...]:
     return tuple(levels)
 
 
+@lru_cache(maxsize=None)
+def gaussian_distortion(bits: int) -> float:
+    """The relative MSE of the ``bits``-bit Lloyd-Max quantiser of N(0, 1): 1 - E[q(x)^2], since each
+    level is its cell's centroid (E[x q(x)] = E[q(x)^2]); 0.3634 / 0.1175 / 0.03454 / 0.009497 at 1-4 bits."""
+    levels = gaussian_levels(bits)
+    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+    return 1.0 - sum(c * c * (_cdf(hi) - _cdf(lo)) for c, lo, hi in zip(levels, edges, edges[1:]))
+
+
 def _tables(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     levels = torch.tensor(gaussian_levels(bits), dtype=torch.float32, device=device)
     return levels, (levels[1:] + levels[:-1]) / 2

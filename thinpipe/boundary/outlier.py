@@ -146,7 +146,7 @@ class OutlierBoundary(QuantBoundary):
         intact = rest[..., self.channels]
         rest[..., self.channels] = 0.0
         intact = intact.to(self.intact_dtype) if self.intact_dtype is not None else self._to_wire(intact)
-        return x, Payload({"intact": intact.reshape(-1, self.channels.numel()),  # (tokens, C): the receiver's spec
+        return x, Payload({"intact": intact.reshape(math.prod(x.shape[:-1]), self.channels.numel()),  # (tokens, C)
                            **self._pack(rest, self.fwd_bits, self.scale_group)})
 
     def decode(self, payload, ctx):
@@ -191,7 +191,7 @@ class OutlierBoundary(QuantBoundary):
             {"offset": ((groups,), SCALE_DTYPE), "step": ((groups,), SCALE_DTYPE)}
         return {"codes": ((packed_bytes(values, bits),), torch.uint8), **side}
 
-    def payload_expect(self, direction, tokens):
+    def payload_expect(self, direction, tokens, ctx=None):
         """Exactly the tensors this boundary's encoder sends for ``tokens`` tokens (a dense direction:
         the base's bound), so a peer's malformed payload is refused before anything is allocated."""
         if (direction == "fwd" and self.compress == "bwd") or (direction == "bwd" and self.compress == "fwd"):

@@ -8,12 +8,13 @@ from thinpipe.config.errors import ConfigError
 from thinpipe.plugins import PLUGIN_BOUNDARIES
 
 BOUNDARY_KINDS = ("identity", "mask", "topk", "ssn", "mapl", "mapl-vq", "quant4", "quant2", "aqsgd", "tahquant",
-                  "bottleneck", "outlier")
+                  "bottleneck", "outlier", "klt")
 # Part of the model: training and evaluation run through them.
 ARCHITECTURAL_KINDS = ("ssn", "mapl", "mapl-vq", "bottleneck")
 # (forward, backward) bits of the quantising kinds when boundary.fwd_bits / bwd_bits are 0:
 # Table 4's 4-bit Quant (4x against a 16-bit wire) and AQ-SGD / TAH-Quant at "8/2x".
-QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8), "outlier": (2, 2)}
+QUANT_BITS = {"quant4": (4, 4), "quant2": (2, 2), "aqsgd": (2, 8), "tahquant": (2, 8), "outlier": (2, 2),
+              "klt": (0, 1)}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -27,8 +28,9 @@ class BoundaryConfig:
     4 / 2-bit), ``aqsgd`` (AQ-SGD: quantised change against a per-example buffer), ``tahquant``
     (tile-wise adaptive Hadamard quantisation) and ``bottleneck`` (a learned linear down/up pair
     of K = (1-p) H dims); ``outlier`` (not in the papers: calibrated outlier channels sent intact,
-    the rest Hadamard-rotated and quantised; experiments/frontier/README.md). docs/baselines.md has each
-    one's details."""
+    the rest Hadamard-rotated and quantised; experiments/frontier/README.md); ``klt`` (not in the papers:
+    transform coding in the activations' own KLT basis, bits by reverse water-filling, more bits on the
+    tokens that carry loss; issue 36). docs/baselines.md has each one's details."""
     p: float = 0.95
     """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
     rescale: bool = True
@@ -107,6 +109,29 @@ class BoundaryConfig:
     """``outlier``: the directions compressed: ``both``, ``fwd`` (the gradient crosses dense in the
     wire dtype) or ``bwd`` (the activation crosses dense): the forward/backward split of a setting's
     loss (experiments/frontier/README.md)."""
+    klt_bits: float = 3.0
+    """``klt``: forward bits per hidden dim, on average, of a token whose output is scored by the loss
+    (allocated over the KLT components by reverse water-filling; whole bits, 1..8 per component)."""
+    klt_context_bits: float = 1.0
+    """``klt``: forward bits per hidden dim, on average, of every other token (prompt, padding)."""
+    klt_channels: int = 4
+    """``klt``: the C channels with the largest mean |activation| (calibrated at the start, as
+    ``outlier_channels``), sent intact in bf16; the basis codes the rest (SmolLM2's massive activations
+    sit in a few channels: C = 4 codes its boundaries 1-10x better than C = 0, C = 16 little better)."""
+    klt_scale: str = "width"
+    """``klt``: a token's scales: ``width`` (one bf16 RMS per token for each bit width its table codes,
+    ~6-8; the coefficients of a few heavy tokens sit far from their components' variances, and one
+    scale per token clips them: 100x the error on SmolLM2's middle boundary) or ``token`` (one)."""
+    klt_bwd_tokens: float = 0.5
+    """``klt``: fraction of a microbatch's tokens whose activation gradient is sent back (the largest by
+    norm; a bitmap of 1 bit per token names them), on ``outlier``'s Lloyd-Max grid at ``bwd_bits``
+    (default 1) with one scale per token."""
+    klt_refresh_every: int = 0
+    """``klt``: every N steps both ends refit the forward basis and tables from the decoded activations
+    of the steps since the last refit, and fit (then refit) the gradient's own basis from the decoded
+    gradients, which switches the backward from Hadamard tiles to it; no bytes cross (both ends hold
+    that data). 0 = never: the start's basis all run, the Hadamard backward. A refreshing boundary is
+    refused with GSPO (its two forwards of a sequence must code it alike)."""
     ssn_refresh_every: int = 500
     """``ssn``: Grassmann refresh of the shared basis every N steps (Table 8: 500; 0 = never)."""
     ssn_refresh_lr: float = 0.01
@@ -185,5 +210,17 @@ class BoundaryConfig:
         if self.kind == "outlier" and self.quant_group & (self.quant_group - 1):
             raise ConfigError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "
                               f"{self.quant_group}")
+        if not 0 < self.klt_bits <= 8 or not 0 < self.klt_context_bits <= 8 or not 0 < self.klt_bwd_tokens <= 1:
+            raise ConfigError("boundary.klt_bits and boundary.klt_context_bits must be in (0, 8] bits per dim and "
+                              f"boundary.klt_bwd_tokens in (0, 1], got {self.klt_bits}, {self.klt_context_bits} "
+                              f"and {self.klt_bwd_tokens}")
+        if self.klt_scale not in ("width", "token"):
+            raise ConfigError(f"boundary.klt_scale must be width or token, got {self.klt_scale!r}")
+        if self.klt_channels < 0 or self.klt_refresh_every < 0:
+            raise ConfigError(f"boundary.klt_channels and boundary.klt_refresh_every must be >= 0, got "
+                              f"{self.klt_channels} and {self.klt_refresh_every}")
+        if self.kind == "klt" and self.quant_group & (self.quant_group - 1):
+            raise ConfigError(f"boundary.quant_group must be a power of two for klt (its backward's Hadamard tiles), "
+                              f"got {self.quant_group}")
         if self.ssn_refresh_every < 0 or self.ssn_refresh_lr < 0:
             raise ConfigError("boundary.ssn_refresh_every and boundary.ssn_refresh_lr must be >= 0")

@@ -50,7 +50,7 @@ from thinpipe.placement import to_device
 from thinpipe.rank.context import make_contexts
 from thinpipe.rank.from_config import DTYPES, lr_at, replica_stream, residual_batches, val_batches, wire_dtype
 from thinpipe.rank.objectives import make_objective
-from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries
+from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.schedule import execute
 from thinpipe.rank.stage_rank import StageRank
 
@@ -108,7 +108,8 @@ class DistEngine:
     def residual_start(self) -> None:
         """SimMesh.residual_start across ranks: boundary by boundary, replica 0's stages run the
         batches up to the sender, which computes the start; every fast rank holding the boundary
-        loads it (a payload broadcast over the fast ranks; not metered, as in the simulation)."""
+        loads it (a payload broadcast over the fast ranks; metered on ``pp_params`` by the owner as in the
+        simulation: ``start_copies``)."""
         obj = self.objective
         wanted = residual_start_boundaries(self.bounds)
         batches = (obj.residual_batches() if obj is not None else residual_batches(self.cfg, self.train_ds)) \
@@ -121,6 +122,8 @@ class DistEngine:
             src = self.layout.grid[0][p]
             payload = self.out_b.init_from_residuals(torch.cat(out[p])) if self.rank == src else None
             payload = broadcast_payload(payload, src, self.groups.fast, self.device, self.bounds[p].param_expect())
+            if self.rank == src:  # metered once, by the owner, as the simulation does
+                self.meter.add("pp_params", payload.nbytes * start_copies(self.layout.dp))
             for b in (self.in_b, self.out_b):
                 if b is not None and b.index == p:
                     b.load_init(payload)

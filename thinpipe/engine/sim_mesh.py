@@ -29,7 +29,7 @@ from thinpipe.placement import autocast, compute_dtype_name, to_device
 from thinpipe.rank.context import MicrobatchContext, make_contexts, positions_and_mask
 from thinpipe.rank.diagnostics import gradient_diagnostics
 from thinpipe.rank.from_config import DTYPES, lr_at, wire_dtype
-from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries
+from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
 from thinpipe.rank.stage_rank import StageRank
 
@@ -104,13 +104,16 @@ class SimMesh:
     @torch.no_grad()
     def residual_start(self, batches: list[dict]) -> None:
         """The residual start of the boundaries that want one (MAPL's PCA start): boundary by
-        boundary, replica 0's sender computes it and every replica's copy loads it."""
+        boundary, replica 0's sender computes it and every replica's copy loads it (metered on
+        ``pp_params``: what a data-driven start sends is side information the run pays for)."""
         for p in residual_start_boundaries(self.boundaries):
             out: dict[int, list[torch.Tensor]] = {}
             self._residual_phase(batches, {p}, out)
             payload = self.boundaries[p].init_from_residuals(torch.cat(out[p]))
             for bounds in self.replica_boundaries:
                 bounds[p].load_init(payload)
+            # the owner's payload reaches every other copy: both ends of every replica but its own end
+            self.meter.add("pp_params", payload.nbytes * start_copies(self.cfg.mesh.dp))
 
     @torch.enable_grad()
     def forward_backward(self, batches: list[dict]) -> float:

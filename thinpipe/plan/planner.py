@@ -150,7 +150,17 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         dense = 8 * elem_bytes
         fwd_bits, bwd_bits = (dense if b.compress == "bwd" else fwd_bits), (dense if b.compress == "fwd" else bwd_bits)
         return (fwd_bits + bwd_bits) / (2 * dense)
-    raise ConfigError("thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier "
+    if b.kind == "klt":
+        # forward: klt_bits per value on average (the bound: every token scored; a batch's prompt tokens
+        # cost klt_context_bits instead, which the probe measures) + one bf16 scale per token + C intact
+        # bf16 channels; backward: as outlier's Lloyd-Max token-sparse one. The start's basis is sent once
+        # per run and not in this per-token figure (docs/baselines.md: klt).
+        dense = 8 * elem_bytes
+        fwd_bits = b.klt_bits + 16 / arch.hidden + b.klt_channels * 16 / arch.hidden
+        bwd_bits = b.klt_bwd_tokens * (b.bits()[1] + 16 / arch.hidden) + (1 / arch.hidden if b.klt_bwd_tokens < 1
+                                                                           else 0)
+        return (fwd_bits + bwd_bits) / (2 * dense)
+    raise ConfigError("thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier, klt "
                       "and the quantisers, "
                       f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
 

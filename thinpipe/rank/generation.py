@@ -240,7 +240,7 @@ def decode_pass(stage, in_b, out_b, transport: Transport, prompts: list[list[int
         if stage.is_first:
             x = x_ids
         else:
-            payload = transport.recv(EvalActivation(replica, s - 1, tag), in_b.payload_expect("fwd", ctx.tokens))
+            payload = transport.recv(EvalActivation(replica, s - 1, tag), in_b.payload_expect("fwd", ctx.tokens, ctx))
             x = receiver_forward(in_b, payload, ctx, torch.float32)[1]
         with autocast(dev, compute_dtype):
             h = stage.hidden_states(x, ctx, cache)

@@ -49,7 +49,8 @@ def residual_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
             x = ctx.input_ids
         else:
             b = eval_boundary(in_b)
-            x = receiver_forward(b, transport.recv(EvalActivation(0, s - 1, key), b.payload_expect("fwd", ctx.tokens)),
+            expect = b.payload_expect("fwd", ctx.tokens, ctx)
+            x = receiver_forward(b, transport.recv(EvalActivation(0, s - 1, key), expect),
                                  ctx, torch.float32)[1]
         x = stage(x, ctx)
         if s in at:
@@ -71,6 +72,12 @@ def residual_start_boundaries(bounds: list[Boundary]) -> list[int]:
     return [b.index for b in bounds if b.wants_residual_init]
 
 
+def start_copies(dp: int) -> int:
+    """Copies a residual start's payload reaches beyond the owner's: both ends of the boundary on every
+    replica but the owner's own end (``pp_params`` bytes = payload bytes x this)."""
+    return 2 * dp - 1
+
+
 @torch.no_grad()
 def heldout_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transport: Transport, batches: list[dict],
                  compute_dtype: torch.dtype, step: int, out: list[tuple[float, int]], replica: int = 0) -> Generator:
@@ -88,7 +95,7 @@ def heldout_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transport
         else:
             b = eval_boundary(in_b)
             x = receiver_forward(b, transport.recv(EvalActivation(replica, stage.index - 1, ("val", i)),
-                                                   b.payload_expect("fwd", ctx.tokens)), ctx, torch.float32)[1]
+                                                   b.payload_expect("fwd", ctx.tokens, ctx)), ctx, torch.float32)[1]
         with autocast(device_of(stage), compute_dtype):
             x = stage(x, ctx)
         if stage.is_last:

@@ -36,7 +36,7 @@ class StageWorker:
             x = ctx.input_ids
         else:
             payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch),
-                                          self.in_boundary.payload_expect("fwd", ctx.tokens))
+                                          self.in_boundary.payload_expect("fwd", ctx.tokens, ctx))
             saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
         with self._autocast():
             out = self.stage(x, ctx)
@@ -58,7 +58,7 @@ class StageWorker:
             saved["loss"].backward()
         else:
             payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch),
-                                          self.out_boundary.payload_expect("bwd", ctx.tokens))
+                                          self.out_boundary.payload_expect("bwd", ctx.tokens, ctx))
             sender_backward(self.out_boundary, saved["z"], payload, ctx)
         if not self.stage.is_first:
             payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)

@@ -1,0 +1,419 @@
+"""``klt``: transform coding fitted to the model (KLT / PCA basis, reverse water-filling), with bits
+where the loss is (not in either paper; issue 36, measured in experiments/frontier/README.md).
+
+Why: a Hadamard rotation (``outlier``) makes every coordinate of an activation look alike; it does not
+decorrelate them. The activations' Karhunen-Loeve transform (the eigenvectors of their covariance)
+does, and its coding gain on SmolLM2's boundaries (arithmetic over geometric mean of the eigenvalues)
+is 5.5-6.4 dB: about one bit per dimension that a rotation leaves unused. Transform coding spends
+those bits by reverse water-filling (Cover & Thomas §10.3.3): a component of variance lambda_i gets
+b_i bits so that every coded component ends with about the same distortion, none where lambda_i is
+below it. Here b_i are whole bits on the Lloyd-Max grid of N(0, 1) (``lloyd_max.py``), allocated
+greedily by each extra bit's drop in distortion, lambda_i (D(b) - D(b+1)), which for the convex
+D(b) of Lloyd-Max quantisers is the optimal integer allocation (Fox 1966, "Discrete optimization via
+marginal analysis").
+
+Bits where the loss is: every stage already knows which tokens carry loss (labels never cross a
+boundary: ``rank/context.py``), so the tokens whose output is scored get ``klt_bits`` bits per
+dimension on average and the others (prompt, padding) ``klt_context_bits``, from two allocation
+tables on one basis; no map crosses the wire. A token whose output is scored is position t with
+``labels[t + 1] != -100`` (the next-token loss, ``models/loss.py``).
+
+The start: the sender fits the basis on the residual start's batches (the raw activations at this
+boundary, ``Boundary.init_from_residuals``; the data-driven start the outlier channels and MAPL's
+PCA start use): their mean mu and covariance's eigenpairs (U, lambda), descending. Only the m
+components that get a bit in either table are kept. The start payload (mu: d bf16, U_m: d x m bf16,
+sqrt(lambda_m): m bf16, the two tables: 2 x m uint8) crosses once from the owner to every other copy
+and is metered on ``pp_params`` (``engine``: the residual start). Both ends code with the bf16 values
+they hold, so they agree bitwise.
+
+Forward, per token: z = ((x - mu) U_m) / sqrt(lambda_m), its RMS s over the components the token's
+table codes (one bf16 scale per token), and each coded component's Lloyd-Max code of z_i / s at b_i
+bits; the receiver sets x_hat = mu + U_m (s level(code) sqrt(lambda)) (uncoded components: 0, i.e.
+the mean). Codes of equal width are packed together (``quant.pack_bits``), byte-aligned, and a class's
+widths travel in one tensor, ascending: 4 tensors per payload (scales and codes of each class).
+
+Backward: the activation gradient on ``outlier``'s Lloyd-Max grid (Hadamard tiles of ``quant_group``,
+one bf16 RMS per token, ``bwd_bits`` bits), with ``klt_bwd_tokens`` = f < 1 sending only the
+ceil(f N) tokens of largest gradient norm and a bitmap of N bits naming them (its bytes counted).
+
+Bytes per microbatch of N tokens, L of them loss tokens (forward), with n_k(table) the components of
+width k: 2 L + sum_k ceil(L n_k(loss) k / 8) + 2 (N - L) + sum_k ceil((N - L) n_k(ctx) k / 8); backward
+as ``outlier``'s (``expected_bytes``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import torch
+
+from thinpipe.boundary.base import Payload
+from thinpipe.boundary.lloyd_max import SCALE_DTYPE, gaussian_distortion, gaussian_levels
+from thinpipe.boundary.outlier import OutlierBoundary
+from thinpipe.boundary.quant import pack_bits, packed_bytes, unpack_bits
+from thinpipe.comm.header import Expect, PayloadError
+
+MAX_BITS = 8
+CLASSES = ("loss", "context")
+SCALES = ("width", "token")
+BASIS_DTYPE = torch.bfloat16
+
+
+def allocate_bits(variances: torch.Tensor, mean_bits: float, max_bits: int = MAX_BITS) -> torch.Tensor:
+    """Whole bits per component (int64, same order as ``variances``) summing to round(mean_bits x d):
+    reverse water-filling on the Lloyd-Max distortion curve D(b) of N(0, 1), one bit at a time to
+    the component whose distortion lambda_i D(b_i) drops most (ties: the lower index)."""
+    d = variances.numel()
+    total = min(round(mean_bits * d), max_bits * d)
+    drop = [1.0 - gaussian_distortion(1)] + [gaussian_distortion(b) - gaussian_distortion(b + 1)
+                                             for b in range(1, max_bits)]
+    lam = [float(v) for v in variances]
+    bits = [0] * d
+    heap = [(-lam[i] * drop[0], i) for i in range(d)]
+    heapq.heapify(heap)
+    for _ in range(total):
+        _, i = heapq.heappop(heap)
+        bits[i] += 1
+        if bits[i] < max_bits:
+            heapq.heappush(heap, (-lam[i] * drop[bits[i]], i))
+    return torch.tensor(bits, dtype=torch.int64)
+
+
+def fit_moments(mean: torch.Tensor, cov: torch.Tensor, budgets: tuple[float, ...]):
+    """The KLT of a (mean, covariance): (mean, basis (d, m), sqrt(lambda) (m,), one bits table (m,) per
+    budget), in the wire's dtypes, m = the components any table codes (the eigenvalues' descending prefix)."""
+    lam, vec = torch.linalg.eigh(cov.double())  # ascending
+    lam, vec = lam.flip(0).clamp_min(0.0), vec.flip(1)
+    tables = [allocate_bits(lam, b) for b in budgets]
+    m = max(max(int((t > 0).sum()) for t in tables), 1)
+    std = lam[:m].sqrt().clamp_min(1e-12).to(BASIS_DTYPE)
+    return mean.to(BASIS_DTYPE), vec[:, :m].to(BASIS_DTYPE).contiguous(), std, [t[:m].to(torch.uint8) for t in tables]
+
+
+def widths(bits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(k, the components coded at k bits) of a bits table, k ascending, k > 0."""
+    b = bits.to(torch.int64)
+    return [(k, (b == k).nonzero().flatten()) for k in range(1, MAX_BITS + 1) if bool((b == k).any())]
+
+
+def code(z: torch.Tensor, bits: torch.Tensor, per_width: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, m) coefficients in units of their standard deviation -> (bf16 RMS scales (n, widths) of each
+    row's components of each width, or (n, 1) one per row over every coded component; the Lloyd-Max
+    codes of z / scale packed per width, byte-aligned, widths ascending)."""
+    ws = widths(bits)
+    if per_width:
+        scale = torch.stack([z[:, cols].pow(2).mean(1).sqrt() for _, cols in ws], 1).to(SCALE_DTYPE)
+    else:
+        coded = torch.cat([cols for _, cols in ws])
+        scale = z[:, coded].pow(2).mean(1).sqrt().to(SCALE_DTYPE)[:, None]
+    s = scale.float().clamp_min(torch.finfo(torch.float32).tiny)
+    chunks = []
+    for j, (k, cols) in enumerate(ws):
+        levels = torch.tensor(gaussian_levels(k), dtype=torch.float32, device=z.device)
+        q = z[:, cols] / s[:, j if per_width else 0, None]
+        chunks.append(pack_bits(torch.bucketize(q, (levels[1:] + levels[:-1]) / 2), k))
+    return scale, torch.cat(chunks)
+
+
+def uncode(scale: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``code``: (n, m) coefficients in units of their standard deviation (uncoded: 0)."""
+    n = scale.shape[0]
+    z = torch.zeros(n, bits.numel(), device=codes.device)
+    at = 0
+    for j, (k, cols) in enumerate(widths(bits)):
+        levels = torch.tensor(gaussian_levels(k), dtype=torch.float32, device=codes.device)
+        count = n * cols.numel()
+        chunk = codes[at:at + packed_bytes(count, k)]
+        at += chunk.numel()
+        s = scale[:, j if scale.shape[1] > 1 else 0].float()
+        z[:, cols] = levels[unpack_bits(chunk, k, count).reshape(n, cols.numel())] * s[:, None]
+    return z
+
+
+def codes_bytes(rows: int, bits: torch.Tensor) -> int:
+    return sum(packed_bytes(rows * cols.numel(), k) for k, cols in widths(bits))
+
+
+def loss_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the positions whose output is scored by the next-token loss (labels[t + 1] set)."""
+    scored = torch.zeros_like(labels, dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != -100
+    return scored
+
+
+class KltBoundary(OutlierBoundary):
+    kind = "klt"
+    RESIZED = ("basis", "std", "bits_loss", "bits_context", "gbasis", "gstd", "gbits")
+
+    def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
+                 group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 1.0,
+                 refresh_every: int = 0, scale: str = "width"):
+        super().__init__(index, hidden_size, channels, 1, bwd_bits, group, wire_dtype, intact_dtype=BASIS_DTYPE,
+                         grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
+        if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
+            raise ValueError(f"boundary.klt_bits and boundary.klt_context_bits must be in (0, {MAX_BITS}], got "
+                             f"{loss_bits} and {context_bits}")
+        if round(min(loss_bits, context_bits) * hidden_size) < 1:
+            raise ValueError(f"boundary.klt_context_bits = {context_bits} leaves no bit for a token of {hidden_size} "
+                             "dims")
+        if scale not in SCALES:
+            raise ValueError(f"boundary.klt_scale must be one of {SCALES}, got {scale!r}")
+        self.loss_bits, self.context_bits, self.refresh_every = loss_bits, context_bits, refresh_every
+        self.per_width = scale == "width"
+        # a refresh changes the codes from the decoded data of the steps before it: RL's two forwards of one
+        # sequence must code it alike, so a refreshing boundary is refused with GSPO (rank/gspo.py)
+        self.forward_state = refresh_every > 0
+        d = hidden_size
+        # Until the residual start fits them: the identity basis, unit variances, an even allocation
+        # (a start, never a result: a run always fits the basis before its first step).
+        self.register_buffer("mean", torch.zeros(d, dtype=BASIS_DTYPE))
+        self.register_buffer("basis", torch.eye(d, dtype=BASIS_DTYPE))
+        self.register_buffer("std", torch.ones(d, dtype=BASIS_DTYPE))
+        flat = torch.ones(d)
+        self.register_buffer("bits_loss", allocate_bits(flat, loss_bits).to(torch.uint8))
+        self.register_buffer("bits_context", allocate_bits(flat, context_bits).to(torch.uint8))
+        if refresh_every:
+            # the gradient's own basis, fitted at the first refresh (until then: outlier's Hadamard tiles)
+            self.register_buffer("grad_klt", torch.zeros((), dtype=torch.bool))
+            self.register_buffer("gbasis", torch.eye(d, dtype=BASIS_DTYPE))
+            self.register_buffer("gstd", torch.ones(d, dtype=BASIS_DTYPE))
+            self.register_buffer("gbits", allocate_bits(flat, bwd_bits).to(torch.uint8))
+            # moments of the decoded data since the last refresh, which both ends hold (float64 sums)
+            self.register_buffer("fwd_sum", torch.zeros(d, dtype=torch.float64))
+            self.register_buffer("fwd_sq", torch.zeros(d, d, dtype=torch.float64))
+            self.register_buffer("fwd_n", torch.zeros((), dtype=torch.float64))
+            self.register_buffer("bwd_sq", torch.zeros(d, d, dtype=torch.float64))
+            self.register_buffer("bwd_n", torch.zeros((), dtype=torch.float64))
+        self._step, self._seen = -1, set()
+
+    # the start: the basis and tables, fitted by the owner, loaded by every copy ---------------------
+    @property
+    def wants_residual_init(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def init_from_residuals(self, residuals: torch.Tensor) -> Payload:
+        channels = super().init_from_residuals(residuals).tensors["channels"]
+        x = residuals.double().clone()
+        x[:, channels] = 0.0  # sent intact: the basis codes the rest
+        mean = x.mean(0)
+        cov = (x - mean).T @ (x - mean) / max(x.shape[0] - 1, 1)
+        mean, basis, std, (loss, context) = fit_moments(mean, cov, (self.loss_bits, self.context_bits))
+        return Payload({"channels": channels, "mean": mean, "basis": basis, "std": std, "bits_loss": loss,
+                        "bits_context": context})
+
+    @torch.no_grad()
+    def load_init(self, payload: Payload) -> None:
+        p, d = payload.tensors, self.hidden_size
+        m = p["basis"].shape[-1] if p["basis"].dim() == 2 else -1
+        ok = (set(p) == {"channels", "mean", "basis", "std", "bits_loss", "bits_context"} and p["basis"].shape == (d, m)
+              and 1 <= m <= d and p["mean"].shape == (d,)
+              and all(p[k].shape == (m,) for k in ("std", "bits_loss", "bits_context"))
+              and all(p[k].dtype == BASIS_DTYPE for k in ("mean", "basis", "std"))
+              and all(p[k].dtype == torch.uint8 and int(p[k].max()) <= MAX_BITS for k in ("bits_loss", "bits_context"))
+              and bool(torch.isfinite(p["basis"].float()).all() and (p["std"].float() > 0).all()))
+        if not ok:
+            raise PayloadError(f"boundary {self.index}: the KLT start does not fit this boundary (hidden size {d})")
+        super().load_init(Payload({"channels": p["channels"]}))
+        self._set_forward(p["mean"], p["basis"], p["std"], p["bits_loss"], p["bits_context"])
+
+    def _set_forward(self, mean, basis, std, loss, context) -> None:
+        dev = self.mean.device
+        self.mean, self.basis, self.std = mean.to(dev).clone(), basis.to(dev).clone(), std.to(dev).clone()
+        self.bits_loss, self.bits_context = loss.to(dev).clone(), context.to(dev).clone()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a fitted basis keeps m <= d components: size the buffers to the saved ones before loading
+        for name in self.RESIZED:
+            saved = state_dict.get(prefix + name)
+            if isinstance(saved, torch.Tensor) and hasattr(self, name):
+                setattr(self, name, torch.empty_like(saved, device=self.mean.device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # the refresh: both ends refit from the decoded data they both hold (no bytes) ----------------------
+    def _at_step(self, step: int) -> None:
+        """The first call of a step: a due refresh (every ``refresh_every`` steps) refits both bases from
+        the moments of the steps before it. Both ends (and, in the simulation, the one object holding
+        them) reach it on their first call of the step, with the same sums."""
+        if step == self._step:
+            return
+        self._step, self._seen = step, set()
+        if self.refresh_every and step > 0 and step % self.refresh_every == 0:
+            self._refresh()
+
+    def _observe(self, ctx, direction: str, rows: torch.Tensor) -> bool:
+        """Add a microbatch's decoded rows to the moments once (the other end, or the simulation's second
+        call, computes the same rows and is skipped). False: already added (nothing to compute)."""
+        key = (ctx.microbatch, direction)
+        if not self.refresh_every or key in self._seen:
+            return False
+        self._seen.add(key)
+        r = rows.double()
+        if direction == "fwd":
+            self.fwd_sum += r.sum(0)
+            self.fwd_sq += r.T @ r
+            self.fwd_n += r.shape[0]
+        else:
+            self.bwd_sq += r.T @ r
+            self.bwd_n += r.shape[0]
+        return True
+
+    @torch.no_grad()
+    def _refresh(self) -> None:
+        if float(self.fwd_n) > 1:
+            mean = self.fwd_sum / self.fwd_n
+            cov = self.fwd_sq / self.fwd_n - torch.outer(mean, mean)
+            mean, basis, std, (loss, context) = fit_moments(mean, cov, (self.loss_bits, self.context_bits))
+            self._set_forward(mean, basis, std, loss, context)
+        if float(self.bwd_n) > 1:  # the gradient's mean is ~0: its second moment is its covariance
+            _, gbasis, gstd, (gbits,) = fit_moments(torch.zeros(self.hidden_size), self.bwd_sq / self.bwd_n,
+                                                    (float(self.bwd_bits),))
+            dev = self.mean.device
+            self.gbasis, self.gstd, self.gbits = gbasis.to(dev), gstd.to(dev), gbits.to(dev)
+            self.grad_klt.fill_(True)
+        for t in (self.fwd_sum, self.fwd_sq, self.fwd_n, self.bwd_sq, self.bwd_n):
+            t.zero_()
+
+    # the forward -------------------------------------------------------------------------------
+    def _classes(self, ctx) -> dict[str, torch.Tensor]:
+        scored = loss_tokens(ctx.labels).reshape(-1)
+        return {"loss": scored.nonzero().flatten(), "context": (~scored).nonzero().flatten()}
+
+    def encode(self, x, ctx):
+        self._at_step(ctx.step)
+        flat = x.detach().float().reshape(-1, self.hidden_size).clone()
+        out = {"intact": flat[:, self.channels].to(BASIS_DTYPE)}
+        flat[:, self.channels] = 0.0
+        z = ((flat - self.mean.float()) @ self.basis.float()) / self.std.float()
+        for c, rows in self._classes(ctx).items():
+            out[f"{c}_scale"], out[f"{c}_codes"] = code(z[rows], getattr(self, f"bits_{c}"), self.per_width)
+        if self.refresh_every and (ctx.microbatch, "fwd") not in self._seen:  # the sender's copy of x_hat
+            self._observe_forward(self._decode(out, ctx), ctx)
+        return x, Payload(out)
+
+    def _observe_forward(self, x_hat: torch.Tensor, ctx) -> None:
+        """The loss tokens' decoded activations (the best-coded ones), intact channels out as at the start."""
+        rows = x_hat.reshape(-1, self.hidden_size)[self._classes(ctx)["loss"]].clone()
+        rows[:, self.channels] = 0.0
+        self._observe(ctx, "fwd", rows)
+
+    def decode(self, payload, ctx):
+        self._at_step(ctx.step)
+        self._check(payload.tensors, ctx)
+        x = self._decode(payload.tensors, ctx)
+        if self.refresh_every and (ctx.microbatch, "fwd") not in self._seen:
+            self._observe_forward(x, ctx)
+        return x.reshape(*ctx.input_ids.shape, self.hidden_size)
+
+    def _decode(self, p: dict, ctx) -> torch.Tensor:
+        z = torch.zeros(ctx.input_ids.numel(), self.basis.shape[1], device=self.basis.device)
+        for c, rows in self._classes(ctx).items():
+            z[rows] = uncode(p[f"{c}_scale"], p[f"{c}_codes"], getattr(self, f"bits_{c}"))
+        x = self.mean.float() + (z * self.std.float()) @ self.basis.float().T
+        x[:, self.channels] = p["intact"].float()
+        return x
+
+    # the backward: outlier's Hadamard tiles until the gradient's own basis is fitted ---------------
+    def _grad_klt(self) -> bool:
+        return bool(self.refresh_every and self.grad_klt)
+
+    def encode_grad(self, g, ctx):
+        self._at_step(ctx.step)
+        if not self._grad_klt():
+            payload = super().encode_grad(g, ctx)
+        else:
+            flat = g.detach().float().reshape(-1, self.hidden_size)
+            keep = self._keep(flat)
+            scale, codes = code((flat[keep] @ self.gbasis.float()) / self.gstd.float(), self.gbits, self.per_width)
+            payload = Payload({**({"tokens": pack_bits(keep, 1)} if self.bwd_tokens < 1 else {}),
+                               "scale": scale, "codes": codes})
+        if self.refresh_every and (ctx.microbatch, "bwd") not in self._seen:  # the receiver's copy of g_hat
+            self._observe_backward(self.decode_grad(payload, ctx), ctx)
+        return payload
+
+    def _keep(self, flat: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
+        if self.bwd_tokens < 1:
+            keep.zero_()
+            keep[flat.pow(2).sum(1).topk(self._kept(flat.shape[0])).indices] = True
+        return keep
+
+    def _observe_backward(self, g_hat: torch.Tensor, ctx) -> None:
+        flat = g_hat.reshape(-1, self.hidden_size)
+        self._observe(ctx, "bwd", flat[flat.abs().sum(1) > 0])  # the tokens sent
+
+    def decode_grad(self, payload, ctx):
+        self._at_step(ctx.step)
+        if not self._grad_klt():
+            g = super().decode_grad(payload, ctx)
+        else:
+            p, n = payload.tensors, ctx.input_ids.numel()
+            keep = unpack_bits(p["tokens"], 1, n).bool() if self.bwd_tokens < 1 else \
+                torch.ones(n, dtype=torch.bool, device=p["codes"].device)
+            if int(keep.sum()) != self._kept(n):
+                raise PayloadError(f"boundary {self.index}: the gradient's token bitmap names {int(keep.sum())} "
+                                   f"tokens, not {self._kept(n)}")
+            g = torch.zeros(n, self.hidden_size, device=p["codes"].device)
+            g[keep] = (uncode(p["scale"], p["codes"], self.gbits) * self.gstd.float()) @ self.gbasis.float().T
+            g = g.reshape(*ctx.input_ids.shape, self.hidden_size)
+        if self.refresh_every and (ctx.microbatch, "bwd") not in self._seen:  # the sender's copy of g_hat
+            self._observe_backward(g, ctx)
+        return g
+
+    # what crosses ------------------------------------------------------------------------------
+    def _fwd_spec(self, counts: dict[str, int]) -> dict:
+        spec = {"intact": ((sum(counts.values()), self.channels.numel()), BASIS_DTYPE)}
+        for c in CLASSES:
+            spec[f"{c}_scale"] = ((counts[c], self._scales(getattr(self, f"bits_{c}"))), SCALE_DTYPE)
+            spec[f"{c}_codes"] = ((codes_bytes(counts[c], getattr(self, f"bits_{c}")),), torch.uint8)
+        return spec
+
+    def _bwd_spec(self, tokens: int) -> dict:
+        k = self._kept(tokens)
+        spec = {"tokens": ((packed_bytes(tokens, 1),), torch.uint8)} if self.bwd_tokens < 1 else {}
+        return {**spec, "scale": ((k, self._scales(self.gbits)), SCALE_DTYPE),
+                "codes": ((codes_bytes(k, self.gbits),), torch.uint8)}
+
+    def _scales(self, bits: torch.Tensor) -> int:
+        """Scales per token of a table: one per width it codes, or one."""
+        return len(widths(bits)) if self.per_width else 1
+
+    def _check(self, p: dict, ctx) -> None:
+        expect = self.payload_expect("fwd", ctx.tokens, ctx)
+        got = {k: (tuple(t.shape), t.dtype) for k, t in p.items()}
+        if got != expect.spec:
+            raise PayloadError(f"boundary {self.index}: the KLT payload does not match this microbatch's tokens")
+
+    def payload_expect(self, direction, tokens, ctx=None):
+        """Backward: the exact tensors (``outlier``'s until the gradient's basis is fitted). Forward: the
+        exact tensors for this microbatch's loss / context split when ``ctx`` is given, else the larger
+        of the all-loss and all-context payloads (an upper bound: bytes are linear in the split)."""
+        if direction == "bwd":
+            return Expect.exactly(self._bwd_spec(tokens)) if self._grad_klt() else \
+                super().payload_expect(direction, tokens)
+        if ctx is not None:
+            counts = {c: int(r.numel()) for c, r in self._classes(ctx).items()}
+            return Expect.exactly(self._fwd_spec(counts))
+        bound = max(self._fwd_bytes(tokens, 0), self._fwd_bytes(0, tokens))
+        return Expect(max_bytes=bound, dtypes=frozenset({SCALE_DTYPE, torch.uint8}))
+
+    @staticmethod
+    def _spec_bytes(spec: dict) -> int:
+        return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in spec.values())
+
+    def _fwd_bytes(self, loss: int, context: int) -> int:
+        return self._spec_bytes(self._fwd_spec({"loss": loss, "context": context}))
+
+    def _bwd_bytes(self, tokens: int, element_size: int) -> int:
+        return self._spec_bytes(self._bwd_spec(tokens)) if self._grad_klt() else \
+            super().expected_bytes(tokens, element_size)[1]
+
+    def expected_bytes(self, tokens, element_size, loss_tokens: int | None = None):
+        """(forward, backward) bytes of a microbatch of ``tokens`` tokens, ``loss_tokens`` of them scored
+        (None: all of them; the forward's bytes depend on the split, the backward's do not)."""
+        loss = tokens if loss_tokens is None else loss_tokens
+        return self._fwd_bytes(loss, tokens - loss), self._bwd_bytes(tokens, element_size)
+
+    def max_bytes(self, tokens, element_size):
+        return max(self._fwd_bytes(tokens, 0), self._fwd_bytes(0, tokens)), self._bwd_bytes(tokens, element_size)
