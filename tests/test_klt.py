@@ -194,11 +194,14 @@ def test_both_ends_refit_the_same_bases_from_what_they_hold_and_the_gradient_get
             ctx.step, ctx.microbatch = step, mb
             x = correlated(64, seed=10 * step + mb).reshape(2, 32, H)
             g = (correlated(64, seed=100 + 10 * step + mb) - 3.0).flip(-1).reshape(2, 32, H)
-            for fwd_end, bwd_end in ((one, one), (sender, receiver)):
-                _, p = fwd_end.encode(x, ctx)
-                x_hat = (one if fwd_end is one else receiver).decode(p, ctx)
-                q = (one if bwd_end is one else receiver).encode_grad(g, ctx)
-                g_hat = (one if bwd_end is one else sender).decode_grad(q, ctx)
+            for a, b in ((one, one), (sender, receiver)):
+                _, p = a.encode(x, ctx)
+                b.payload_expect("fwd", 64, ctx).check(spec_of(p), "fwd")  # asked before decoding, as a rank does
+                x_hat = b.decode(p, ctx)
+                q = b.encode_grad(g, ctx)
+                a.payload_expect("bwd", 64, ctx).check(spec_of(q), "bwd")
+                g_hat = a.decode_grad(q, ctx)
+                fwd_end = a
                 if fwd_end is one:
                     grads.append(g_hat)
                     kept = g_hat.reshape(-1, H).abs().sum(1) > 0

@@ -388,7 +388,11 @@ class KltBoundary(OutlierBoundary):
     def payload_expect(self, direction, tokens, ctx=None):
         """Backward: the exact tensors (``outlier``'s until the gradient's basis is fitted). Forward: the
         exact tensors for this microbatch's loss / context split when ``ctx`` is given, else the larger
-        of the all-loss and all-context payloads (an upper bound: bytes are linear in the split)."""
+        of the all-loss and all-context payloads (an upper bound: bytes are linear in the split). A
+        receiver asks before it decodes: a refresh due at this step happens here first, as the sender's
+        happened before it encoded."""
+        if ctx is not None:
+            self._at_step(ctx.step)
         if direction == "bwd":
             return Expect.exactly(self._bwd_spec(tokens)) if self._grad_klt() else \
                 super().payload_expect(direction, tokens)
