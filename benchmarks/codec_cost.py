@@ -27,7 +27,7 @@ import torch
 
 from thinpipe.boundary import build_boundaries
 from thinpipe.boundary.lloyd_max import quantize_rms
-from thinpipe.boundary.tahquant import hadamard
+from thinpipe.boundary.tahquant import hadamard_butterfly
 from thinpipe.config import Config, apply_overrides
 from thinpipe.rank.context import make_contexts
 
@@ -38,7 +38,7 @@ from run import ARMS  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "codec_cost.json"
 HIDDEN, BATCH, SEQ, LINK_MBPS = 576, 2, 128, 200.0
 SETTINGS = ["Dense", "Outlier 4b-1b tok", "LM 4b-1b tok", "LM 2b-1b tok", "LM 2b-1b tok T50", "LM 2b-1b tok T25",
-            "KLT 3-1b-1b T50", "KLT 3-3b-1b T50", "KLT 3-1b-1b T100"]
+            "KLT 3-1b-1b T50", "KLTw 3-1b-1b T50", "KLTw 3-1b-1b T75"]
 
 
 def boundary_of(arm: str):
@@ -63,14 +63,14 @@ def one_round(b, x, g, ctx) -> tuple[float, float, int]:
 
 
 def hadamard_as_matmul(x: torch.Tensor, repeats: int) -> dict:
-    """The outlier kind's rotation (64-dim tiles) as the butterfly and as one matmul: time, and whether the
-    4-bit and 1-bit Lloyd-Max codes of both are equal bitwise."""
+    """The outlier kind's rotation (64-dim tiles) as the butterfly and as one matmul (what ``hadamard`` is
+    now): time, and whether the 4-bit and 1-bit Lloyd-Max codes of both are equal bitwise."""
     tiles = x.reshape(-1, 64)
-    h = hadamard(torch.eye(64))  # H / sqrt(64), symmetric: the butterfly applied to the identity
+    h = hadamard_butterfly(torch.eye(64))  # H / sqrt(64), symmetric: the butterfly applied to the identity
     times = {"butterfly": [], "matmul": []}
     for _ in range(repeats):
         t0 = time.perf_counter()
-        a = hadamard(tiles)
+        a = hadamard_butterfly(tiles)
         t1 = time.perf_counter()
         b = tiles @ h
         times["butterfly"].append(t1 - t0)

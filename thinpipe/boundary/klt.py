@@ -18,27 +18,42 @@ dimension on average and the others (prompt, padding) ``klt_context_bits``, from
 tables on one basis; no map crosses the wire. A token whose output is scored is position t with
 ``labels[t + 1] != -100`` (the next-token loss, ``models/loss.py``).
 
-The start: the sender fits the basis on the residual start's batches (the raw activations at this
-boundary, ``Boundary.init_from_residuals``; the data-driven start the outlier channels and MAPL's
-PCA start use): their mean mu and covariance's eigenpairs (U, lambda), descending. Only the m
-components that get a bit in either table are kept. The start payload (mu: d bf16, U_m: d x m bf16,
-sqrt(lambda_m): m bf16, the two tables: 2 x m uint8) crosses once from the owner to every other copy
-and is metered on ``pp_params`` (``engine``: the residual start). Both ends code with the bf16 values
-they hold, so they agree bitwise.
+The start: the sender calibrates the C = ``klt_channels`` massive-activation channels (``outlier``'s
+calibration; they cross intact in bf16) and fits the basis on the rest of the residual start's
+batches (the raw activations at this boundary, ``Boundary.init_from_residuals``; the data-driven
+start MAPL's PCA start uses): their mean mu and covariance's eigenpairs (U, lambda), descending. Only
+the m components that get a bit in either table are kept. The start payload (the channels: C int64,
+mu: d bf16, U_m: d x m bf16, sqrt(lambda_m): m bf16, the two tables: 2 x m uint8) crosses once from
+the owner to every other copy and is metered on ``pp_params`` (``engine``: the residual start). Both
+ends code with the bf16 values they hold, so they agree bitwise.
 
-Forward, per token: z = ((x - mu) U_m) / sqrt(lambda_m), its RMS s over the components the token's
-table codes (one bf16 scale per token), and each coded component's Lloyd-Max code of z_i / s at b_i
-bits; the receiver sets x_hat = mu + U_m (s level(code) sqrt(lambda)) (uncoded components: 0, i.e.
-the mean). Codes of equal width are packed together (``quant.pack_bits``), byte-aligned, and a class's
-widths travel in one tensor, ascending: 4 tensors per payload (scales and codes of each class).
+Forward, per token: z = ((x - mu) U_m) / sqrt(lambda_m) (the intact channels zeroed in x), one bf16
+RMS per bit width over the components the token's table codes at that width (``klt_scale = width``;
+``token``: one over all of them), and each coded component's Lloyd-Max code of z_i / its width's
+scale; the receiver sets x_hat = mu + U_m (scale level(code) sqrt(lambda)) (uncoded components: 0,
+i.e. the mean) and writes the intact channels back. Why a scale per width: a few tokens (SmolLM2's
+early template tokens) sit far out along the top components; one scale per token then clips their
+top coefficients and rounds their others to 0, a 100x larger error on the middle boundary. Codes of
+equal width are packed together (``quant.pack_bits``), byte-aligned, and a class's widths travel in
+one tensor, ascending: 5 tensors per payload (intact channels, scales and codes of each class).
 
 Backward: the activation gradient on ``outlier``'s Lloyd-Max grid (Hadamard tiles of ``quant_group``,
 one bf16 RMS per token, ``bwd_bits`` bits), with ``klt_bwd_tokens`` = f < 1 sending only the
 ceil(f N) tokens of largest gradient norm and a bitmap of N bits naming them (its bytes counted).
 
+The refresh (``klt_refresh_every`` = N > 0): every N steps both ends refit the forward basis and
+tables from the decoded activations of the scored tokens since the last refit, and fit the
+gradient's own basis (its second moment's eigenvectors, ``bwd_bits`` per dim on average, the same
+codes and scales) from the decoded gradients, after which the backward is coded in it. Both ends
+hold that data (each decodes what it sends), so no byte crosses; each microbatch's moments are added
+once per copy (the simulation's one object holding both ends skips the second), in float64 buffers
+saved with the checkpoint. Decoded data underestimates the variance of coarsely coded components
+(by 1 - D(b)), a bias the refit keeps.
+
 Bytes per microbatch of N tokens, L of them loss tokens (forward), with n_k(table) the components of
-width k: 2 L + sum_k ceil(L n_k(loss) k / 8) + 2 (N - L) + sum_k ceil((N - L) n_k(ctx) k / 8); backward
-as ``outlier``'s (``expected_bytes``).
+width k and w(table) its widths: 2 C N + 2 w(loss) L + sum_k ceil(L n_k(loss) k / 8) + 2 w(ctx) (N - L)
++ sum_k ceil((N - L) n_k(ctx) k / 8); backward as ``outlier``'s, or after the gradient's basis is
+fitted 2 w(grad) K + sum_k ceil(K n_k(grad) k / 8) + the bitmap (``expected_bytes``).
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def check_rl_boundaries(bounds) -> None:
         if b.forward_state:
             raise ConfigError(f"boundary.kind = {b.kind} changes its state in every forward (so a sequence's "
                               "old-log-prob and update forwards would differ): train.objective = gspo refuses it; "
-                              "use another kind (mask, quant4, outlier, mapl, ...)")
+                              "use another kind (mask, quant4, outlier, mapl, ...) or, for klt, "
+                              "boundary.klt_refresh_every = 0")
 
 
 def stop_ids(tokenizer, chat_format: str) -> list[int]:
