@@ -82,7 +82,8 @@ def test_the_first_update_log_ratio_is_exactly_zero(tmp_path, kind, layout):
 
 @pytest.mark.parametrize("kind", [{"boundary.kind": "aqsgd"},
                                   {"boundary.kind": "mapl-vq", "boundary.rank": 8, "boundary.vq_codes": 16},
-                                  {"boundary.kind": "klt", "boundary.quant_group": 16, "boundary.klt_refresh_every": 5}])
+                                  {"boundary.kind": "klt", "boundary.quant_group": 16,
+                                   "boundary.klt_refresh_every": 5}])
 def test_a_kind_whose_forward_changes_its_state_is_refused_with_gspo(tmp_path, kind):
     with pytest.raises(ConfigError) as e:
         SimEngine(config(**gspo_sets(prompts_file(tmp_path), **kind)))
