@@ -246,3 +246,18 @@ def test_a_refreshing_run_resumes_bitwise_across_its_refresh(tmp_path, monkeypat
     a, b = (latest_complete(d / "checkpoint", "mesh")[1]["mesh"]["boundaries"][0][0] for d in (full, part))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert bool(a["grad_klt"]) and float(a["fwd_n"]) > 0
+
+
+def test_an_int8_basis_halves_the_start_and_codes_as_well():
+    x = correlated(2048).reshape(32, 64, H)
+    ctx = ctx_of(torch.ones(32, 64, dtype=torch.long))
+    out = {}
+    for dtype in ("bfloat16", "int8"):
+        b = KltBoundary(0, H, 3.0, 1.0, 1, 16, channels=0, basis_dtype=dtype)
+        start = b.init_from_residuals(correlated(8192, seed=1))
+        b.load_init(start)
+        x_hat = b.decode(b.encode(x, ctx)[1], ctx)
+        out[dtype] = start.nbytes, float((x_hat - x).pow(2).sum() / (x - x.mean((0, 1))).pow(2).sum())
+    m = b.basis.shape[1]
+    assert out["bfloat16"][0] - out["int8"][0] == H * m - 2 * m  # d x m bytes fewer, one bf16 step per column
+    assert out["int8"][1] < 1.05 * out["bfloat16"][1]

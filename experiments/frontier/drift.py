@@ -35,7 +35,7 @@ from thinpipe.rank.from_config import build_data, load, residual_batches, val_ba
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ARMS, FRONTIER_BASE  # noqa: E402
 
-ARM = "KLT 3-1b-1b T50"
+ARM = "KLTw 3-1b-1b T75"
 PROBE_KEYS = ("model.", "data.", "mesh.pp", "train.batch_size", "train.seq_len", "model.tied")
 
 

@@ -60,7 +60,7 @@ def _outlier(cfg, b, hidden, seed, wire_dtype, model, shared):
 def _klt(cfg, b, hidden, seed, wire_dtype, model, shared):
     return KltBoundary(b, hidden, cfg.klt_bits, cfg.klt_context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
                        channels=cfg.klt_channels, bwd_tokens=cfg.klt_bwd_tokens, refresh_every=cfg.klt_refresh_every,
-                       scale=cfg.klt_scale)
+                       scale=cfg.klt_scale, basis_dtype=cfg.klt_basis_dtype)
 
 
 def _bottleneck(cfg, b, hidden, seed, wire_dtype, model, shared):

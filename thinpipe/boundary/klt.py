@@ -23,7 +23,8 @@ calibration; they cross intact in bf16) and fits the basis on the rest of the re
 batches (the raw activations at this boundary, ``Boundary.init_from_residuals``; the data-driven
 start MAPL's PCA start uses): their mean mu and covariance's eigenpairs (U, lambda), descending. Only
 the m components that get a bit in either table are kept. The start payload (the channels: C int64,
-mu: d bf16, U_m: d x m bf16, sqrt(lambda_m): m bf16, the two tables: 2 x m uint8) crosses once from
+mu: d bf16, U_m: d x m bf16, or with ``klt_basis_dtype = int8`` d x m int8 codes and one bf16 step
+per column, sqrt(lambda_m): m bf16, the two tables: 2 x m uint8) crosses once from
 the owner to every other copy and is metered on ``pp_params`` (``engine``: the residual start). Both
 ends code with the bf16 values they hold, so they agree bitwise.
 
@@ -106,6 +107,17 @@ def fit_moments(mean: torch.Tensor, cov: torch.Tensor, budgets: tuple[float, ...
     return mean.to(BASIS_DTYPE), vec[:, :m].to(BASIS_DTYPE).contiguous(), std, [t[:m].to(torch.uint8) for t in tables]
 
 
+def int8_columns(basis: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The start's basis in 8 bits: each column's codes round(u / s) in [-127, 127] and its bf16 step s
+    (absmax / 127, rounded up so no code clips). Both ends code with the same dequantised basis."""
+    step = (basis.abs().amax(0) / 127).clamp_min(1e-30)
+    step = torch.where(step.to(BASIS_DTYPE).float() < step, torch.nextafter(step.to(BASIS_DTYPE),
+                                                                           torch.tensor(1.0, dtype=BASIS_DTYPE)),
+                       step.to(BASIS_DTYPE))
+    codes = (basis / step.float()).round().clamp(-127, 127).to(torch.int8)
+    return {"basis": codes, "basis_scale": step}
+
+
 def widths(bits: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
     """(k, the components coded at k bits) of a bits table, k ascending, k > 0."""
     b = bits.to(torch.int64)
@@ -163,7 +175,7 @@ class KltBoundary(OutlierBoundary):
 
     def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
                  group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 1.0,
-                 refresh_every: int = 0, scale: str = "width"):
+                 refresh_every: int = 0, scale: str = "width", basis_dtype: str = "bfloat16"):
         super().__init__(index, hidden_size, channels, 1, bwd_bits, group, wire_dtype, intact_dtype=BASIS_DTYPE,
                          grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
         if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
@@ -176,6 +188,9 @@ class KltBoundary(OutlierBoundary):
             raise ValueError(f"boundary.klt_scale must be one of {SCALES}, got {scale!r}")
         self.loss_bits, self.context_bits, self.refresh_every = loss_bits, context_bits, refresh_every
         self.per_width = scale == "width"
+        if basis_dtype not in ("bfloat16", "int8"):
+            raise ValueError(f"boundary.klt_basis_dtype must be bfloat16 or int8, got {basis_dtype!r}")
+        self.basis_int8 = basis_dtype == "int8"
         # a refresh changes the codes from the decoded data of the steps before it: RL's two forwards of one
         # sequence must code it alike, so a refreshing boundary is refused with GSPO (rank/gspo.py)
         self.forward_state = refresh_every > 0
@@ -215,23 +230,27 @@ class KltBoundary(OutlierBoundary):
         mean = x.mean(0)
         cov = (x - mean).T @ (x - mean) / max(x.shape[0] - 1, 1)
         mean, basis, std, (loss, context) = fit_moments(mean, cov, (self.loss_bits, self.context_bits))
-        return Payload({"channels": channels, "mean": mean, "basis": basis, "std": std, "bits_loss": loss,
+        basis = {"basis": basis} if not self.basis_int8 else int8_columns(basis.float())
+        return Payload({"channels": channels, "mean": mean, **basis, "std": std, "bits_loss": loss,
                         "bits_context": context})
 
     @torch.no_grad()
     def load_init(self, payload: Payload) -> None:
         p, d = payload.tensors, self.hidden_size
-        m = p["basis"].shape[-1] if p["basis"].dim() == 2 else -1
-        ok = (set(p) == {"channels", "mean", "basis", "std", "bits_loss", "bits_context"} and p["basis"].shape == (d, m)
-              and 1 <= m <= d and p["mean"].shape == (d,)
-              and all(p[k].shape == (m,) for k in ("std", "bits_loss", "bits_context"))
-              and all(p[k].dtype == BASIS_DTYPE for k in ("mean", "basis", "std"))
+        m = p["basis"].shape[-1] if "basis" in p and p["basis"].dim() == 2 else -1
+        int8 = ("basis_scale",) if self.basis_int8 else ()
+        ok = (set(p) == {"channels", "mean", "basis", "std", "bits_loss", "bits_context", *int8}
+              and p["basis"].shape == (d, m) and 1 <= m <= d and p["mean"].shape == (d,)
+              and all(p[k].shape == (m,) for k in ("std", "bits_loss", "bits_context", *int8))
+              and all(p[k].dtype == BASIS_DTYPE for k in ("mean", "std", *int8))
+              and p["basis"].dtype == (torch.int8 if int8 else BASIS_DTYPE)
               and all(p[k].dtype == torch.uint8 and int(p[k].max()) <= MAX_BITS for k in ("bits_loss", "bits_context"))
               and bool(torch.isfinite(p["basis"].float()).all() and (p["std"].float() > 0).all()))
         if not ok:
             raise PayloadError(f"boundary {self.index}: the KLT start does not fit this boundary (hidden size {d})")
         super().load_init(Payload({"channels": p["channels"]}))
-        self._set_forward(p["mean"], p["basis"], p["std"], p["bits_loss"], p["bits_context"])
+        basis = p["basis"] if not int8 else p["basis"].float() * p["basis_scale"].float()  # fp32, exactly alike
+        self._set_forward(p["mean"], basis, p["std"], p["bits_loss"], p["bits_context"])
 
     def _set_forward(self, mean, basis, std, loss, context) -> None:
         dev = self.mean.device
