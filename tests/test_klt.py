@@ -12,8 +12,8 @@ import torch
 
 from tests.helpers import config, tiny_batch, tiny_model
 from thinpipe.boundary import KltBoundary, OutlierBoundary
-from thinpipe.boundary.klt import allocate_bits, loss_tokens, widths
 from thinpipe.boundary.lloyd_max import gaussian_distortion
+from thinpipe.boundary.transform_code import allocate_bits, loss_tokens, widths
 from thinpipe.comm.header import PayloadError, spec_of
 from thinpipe.comm.payload import Payload
 from thinpipe.config import ConfigError
