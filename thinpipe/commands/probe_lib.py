@@ -59,6 +59,9 @@ GRID: list[tuple[str, dict]] = [
     ("outlier LM 3b/1b", {**LM, "boundary.fwd_bits": 3, "boundary.bwd_bits": 1}),
     ("outlier LM 2b/1b T50", {**LM, "boundary.fwd_bits": 2, "boundary.bwd_bits": 1,
                               "boundary.outlier_bwd_tokens": 0.5}),
+    # issue 36: KLT codes, 3 bits/dim on scored tokens and 1 on the others, 75% of the gradients at 1 bit
+    ("klt 3/1b 1b T75", {"boundary.kind": "klt", "boundary.klt_bits": 3.0, "boundary.klt_context_bits": 1.0,
+                         "boundary.klt_bwd_tokens": 0.75, "boundary.pca_batches": 16}),
     ("mapl r=64 pca", {"boundary.kind": "mapl", "boundary.rank": 64, "boundary.init": "pca"}),
     ("mapl r=32 pca", {"boundary.kind": "mapl", "boundary.rank": 32, "boundary.init": "pca"}),
     ("ssn r=64", {"boundary.kind": "ssn", "boundary.rank": 64}),

@@ -154,7 +154,8 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
         # forward: klt_bits per value on average (the bound: every token scored; a batch's prompt tokens
         # cost klt_context_bits instead, which the probe measures) + one bf16 scale per token + C intact
         # bf16 channels; backward: as outlier's Lloyd-Max token-sparse one. The start's basis is sent once
-        # per run and not in this per-token figure (docs/baselines.md: klt).
+        # per run and not in this per-token figure, nor are the per-width scales of a fitted basis (up to 7 more
+        # bf16 values per token; docs/baselines.md: klt): thinpipe probe measures both.
         dense = 8 * elem_bytes
         fwd_bits = b.klt_bits + 16 / arch.hidden + b.klt_channels * 16 / arch.hidden
         bwd_bits = b.klt_bwd_tokens * (b.bits()[1] + 16 / arch.hidden) + (1 / arch.hidden if b.klt_bwd_tokens < 1
