@@ -98,6 +98,8 @@ ARMS = {
     "KLTw 3-1b-1b T50 C16": klt(3, 1, 0.5, channels=16),
     # T75 with its side bytes: 708 B/token on 100 steps; an 8-bit basis (-19) and 70% of the gradients (-10)
     "KLTw 3-1b-1b T70 q8": klt(3, 1, 0.7, basis_dtype="int8"),
+    # diagnosis: every token's gradient (722 B/token: above the milestone)
+    "KLTw 3-1b-1b T100 q8": klt(3, 1, 1.0, basis_dtype="int8"),
     # both ends refit the forward basis and fit the gradient's own every 20 steps (no bytes)
     "KLTw 3-1b-1b T75 R20": klt(3, 1, 0.75, refresh_every=20),
 }
