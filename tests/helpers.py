@@ -49,3 +49,19 @@ def skip_or_fail(reason: str):
     if os.environ.get("CI") == "true":
         pytest.fail(f"download failed under CI=true: {reason}")
     pytest.skip(reason)
+
+
+def crash_sim_at_step(monkeypatch, step: int):
+    """Make the simulated mesh raise "simulated crash" when it reaches ``step``; returns the undo (call it
+    before resuming)."""
+    from thinpipe.engine.sim_mesh import SimMesh
+
+    real_step = SimMesh.train_step
+
+    def crashing_step(self, batches, anchor_batch=None):
+        if self.step_index == step:
+            raise RuntimeError("simulated crash")
+        return real_step(self, batches, anchor_batch)
+
+    monkeypatch.setattr(SimMesh, "train_step", crashing_step)
+    return lambda: monkeypatch.setattr(SimMesh, "train_step", real_step)

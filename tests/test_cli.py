@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import skip_or_fail, tiny_model
+from tests.helpers import crash_sim_at_step, skip_or_fail, tiny_model
 from thinpipe.checkpoint import latest_complete
 from thinpipe.cli import main
 
@@ -43,25 +43,16 @@ def test_train_end_to_end_writes_all_outputs(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_crash_continues_the_same_trajectory(tmp_path, monkeypatch):
-    from thinpipe.engine.sim_mesh import SimMesh
-
     args = [*TINY, "--set", "train.steps=6", "--set", "mesh.pp=2", "--set", "boundary.kind=mask",
             "--set", "mesh.dp=2", "--set", "train.checkpoint_every=3", "--set", "mesh.anchor=1",
             "--set", "anchor.staleness=2", "--set", "optim.spectral.rank=4"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), "--quiet", *args]) == 0
-    real_step = SimMesh.train_step
-
-    def crashing_step(self, batches, anchor_batch=None):
-        if self.step_index == 4:
-            raise RuntimeError("simulated crash")
-        return real_step(self, batches, anchor_batch)
-
-    monkeypatch.setattr(SimMesh, "train_step", crashing_step)
+    undo = crash_sim_at_step(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(["train", "--out", str(part), "--quiet", *args])
     assert latest_complete(part / "checkpoint", "mesh")[1]["mesh"]["step"] == 3
-    monkeypatch.setattr(SimMesh, "train_step", real_step)
+    undo()
     assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
     losses = [[json.loads(line)["loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
               for d in (full, part)]

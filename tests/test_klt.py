@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import config, tiny_batch, tiny_model
+from tests.helpers import config, crash_sim_at_step, tiny_batch, tiny_model
 from thinpipe.boundary import KltBoundary, OutlierBoundary
 from thinpipe.boundary.lloyd_max import gaussian_distortion
 from thinpipe.boundary.transform_code import allocate_bits, loss_tokens, widths
@@ -228,17 +228,10 @@ def test_a_refreshing_run_resumes_bitwise_across_its_refresh(tmp_path, monkeypat
             "--set", "boundary.klt_refresh_every=2", "--set", "train.checkpoint_every=3", "--set", "train.lr=1e-3"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), "--quiet", *args]) == 0
-    real_step = SimMesh.train_step
-
-    def crashing_step(self, batches, anchor_batch=None):
-        if self.step_index == 4:
-            raise RuntimeError("simulated crash")
-        return real_step(self, batches, anchor_batch)
-
-    monkeypatch.setattr(SimMesh, "train_step", crashing_step)
+    undo = crash_sim_at_step(monkeypatch, 4)
     with pytest.raises(RuntimeError, match="simulated crash"):
         main(["train", "--out", str(part), "--quiet", *args])
-    monkeypatch.setattr(SimMesh, "train_step", real_step)
+    undo()
     assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
     rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (full, part)]
     assert [r["loss"] for r in rows[0]] == [r["loss"] for r in rows[1]]
