@@ -56,12 +56,12 @@ def crash_sim_at_step(monkeypatch, step: int):
     before resuming)."""
     from thinpipe.engine.sim_mesh import SimMesh
 
-    real_step = SimMesh.train_step
+    real_update = SimMesh.update
 
-    def crashing_step(self, batches, anchor_batch=None):
-        if self.step_index == step:
+    def crashing_update(self, index, lr, ctxs, anchor=None):
+        if self.step_index == step:  # the step a run's engine trains now
             raise RuntimeError("simulated crash")
-        return real_step(self, batches, anchor_batch)
+        return real_update(self, index, lr, ctxs, anchor)
 
-    monkeypatch.setattr(SimMesh, "train_step", crashing_step)
-    return lambda: monkeypatch.setattr(SimMesh, "train_step", real_step)
+    monkeypatch.setattr(SimMesh, "update", crashing_update)
+    return lambda: monkeypatch.setattr(SimMesh, "update", real_update)

@@ -21,9 +21,9 @@ LAYERS = [
     ["thinpipe.dashboards", "thinpipe.events"],                       # dashboards, an elastic job's events
     ["thinpipe.comm", "thinpipe.optim", "thinpipe.data"],             # transport, math, data
     ["thinpipe.analysis", "thinpipe.dp", "thinpipe.models", "thinpipe.eval"],
-    ["thinpipe.objective"],                                           # post-SFT losses and rewards (math)
     ["thinpipe.boundary"],                                            # the boundary contract
     ["thinpipe.rank"],                                                # one rank, transport-free
+    ["thinpipe.objective"],                                           # SFT, DPO, GSPO: math and steps over a Pipe
     ["thinpipe.anchor"],                                              # the anchor circuit
     ["thinpipe.engine"],                                              # runners: the loop, sim, dist, elastic
     ["thinpipe.plan"],                                                # the planner (closed form, DES, advice)

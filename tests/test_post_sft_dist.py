@@ -2,6 +2,9 @@
 rewards, old log-probs, every update and its metrics; and a crashed GSPO job resumes to the same run."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -44,6 +47,34 @@ def test_dist_equals_sim_after_sft(case, tmp_path, one_thread):  # noqa: F811
     assert same(tmp_path / "sim", tmp_path / "dist")
 
 
+ANCHOR_CASES = {
+    "gspo": lambda p: gspo_sets(prompts_file(p), **{"boundary.kind": "mask", "boundary.p": 0.9, "mesh.anchor": 1,
+                                                     "anchor.staleness": 1, "anchor.push_rank": 2, "train.steps": 3}),
+    "dpo": lambda p: dpo_sets(pairs_file(p), **{"boundary.kind": "mask", "boundary.p": 0.9, "mesh.anchor": 1,
+                                                 "anchor.staleness": 1, "train.steps": 3}),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("objective", list(ANCHOR_CASES))
+def test_an_objective_with_the_anchor_circuit_on_real_processes_equals_the_simulation(objective, tmp_path,
+                                                                                      one_thread):  # noqa: F811
+    """The anchor row's processes train on replica 0's rows of each update, carried with the pulls: every row's
+    loss and gradient norm and the summary's totals (anchor bytes, priors consumed) equal the simulation's. A
+    row's anchor_bytes is asynchronous on real processes (the anchor's own traffic is counted at the end)."""
+    args = as_args(ANCHOR_CASES[objective](tmp_path))
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    r = launch(4, tmp_path / "dist", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b = ([{k: v for k, v in json.loads(x).items() if k not in (*DROP, "anchor_bytes")}
+             for x in (f / "metrics.jsonl").read_text().splitlines()] for f in (tmp_path / "sim", tmp_path / "dist"))
+    assert a == b
+    sa, sb = (json.loads((f / "summary.json").read_text()) for f in (tmp_path / "sim", tmp_path / "dist"))
+    final = "final_val_accuracy" if objective == "gspo" else "final_val_loss"
+    keys = ("anchor_bytes", "priors_consumed", "anchor_staleness_mean", final)
+    assert {k: sa[k] for k in keys} == {k: sb[k] for k in keys} and sa["priors_consumed"] == 2
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("objective", ["gspo", "dpo"])
 def test_a_crashed_job_resumes_to_the_same_run(tmp_path, objective):
@@ -58,3 +89,24 @@ def test_a_crashed_job_resumes_to_the_same_run(tmp_path, objective):
     r = launch(4, part, args, "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     assert same(full, part)
+
+
+@pytest.mark.dist
+def test_a_diverged_gspo_run_rolls_back_on_real_processes_as_in_the_simulation(tmp_path, one_thread):  # noqa: F811
+    """train.on_divergence = rollback under --engine dist: a NaN loss at step 3 sends the ranks back to step 2's
+    checkpoint with train.lr halved, the run finishes, and every row and the summary equal the simulation's."""
+    args = as_args(gspo_sets(prompts_file(tmp_path), **{"boundary.kind": "mask", "boundary.p": 0.5, "train.steps": 5,
+                                                        "train.checkpoint_every": 2,
+                                                        "train.on_divergence": "rollback"}))
+    env = {"THINPIPE_TEST_NAN_AT_STEP": "3"}
+    sim = subprocess.run([sys.executable, "-m", "thinpipe", "train", "--out", str(tmp_path / "sim"), "--quiet", *args],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=300)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    r = launch(2, tmp_path / "dist", args, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rolled back to the checkpoint of step 2" in r.stderr
+    assert same(tmp_path / "sim", tmp_path / "dist")
+    summary = json.loads((tmp_path / "dist" / "summary.json").read_text())
+    assert summary["rollbacks"] == 1 and summary["steps"] == 5
+    got = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in got] == list(range(5)) and got[3]["lr"] < got[1]["lr"]

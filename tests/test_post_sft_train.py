@@ -13,8 +13,8 @@ from tests.helpers import config
 from thinpipe.cli import main
 from thinpipe.config import ConfigError
 from thinpipe.engine.sim_engine import SimEngine
-from thinpipe.rank.dpo import Dpo
-from thinpipe.rank.gspo import Gspo
+from thinpipe.objective.dpo import Dpo
+from thinpipe.objective.gspo import Gspo
 
 
 def prompts_file(folder, n=40, seed=0):
@@ -146,7 +146,7 @@ def test_a_resumed_run_continues_the_same_trajectory(tmp_path, monkeypatch, obje
         main(["train", "--out", str(part), "--quiet", *args])
     monkeypatch.setattr(cls, "step", real)
     if objective == "dpo":  # the reference log-probs come from the checkpoint
-        monkeypatch.setattr(Dpo, "compute_reference", lambda self: pytest.fail("recomputed on resume"))
+        monkeypatch.setattr(Dpo, "start", lambda self: pytest.fail("recomputed on resume"))
     assert main(["train", "--out", str(part), "--quiet", "--resume", *args]) == 0
     a, b = rows(full), rows(part)
     drop = ("wall_s", "gen_tokens_per_s")
@@ -162,23 +162,55 @@ def test_lora_and_dp_compression_train_with_gspo(tmp_path):
     assert got[-1]["dp_bytes"] > 0 and len(got) == 2
 
 
-def test_objectives_are_refused_where_not_supported_yet(tmp_path):
-    from thinpipe.engine.elastic_setup import check_elastic
-
-    with pytest.raises(ConfigError, match="SFT only"):
-        check_elastic(config(**gspo_sets(prompts_file(tmp_path))))
-    with pytest.raises(ConfigError, match="anchor"):
-        config(**gspo_sets(prompts_file(tmp_path), **{"mesh.anchor": 1}))
+def test_objectives_refuse_what_they_cannot_train_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match="user's files"):
         SimEngine(config(**gspo_sets("math")))
+
+
+@pytest.mark.parametrize("objective", ["dpo", "gspo"])
+def test_the_anchor_pass_of_an_objective_is_its_clean_gradient(tmp_path, objective):
+    """With mesh.anchor = 1 the anchor circuit's pass runs the objective's own loss on replica 0's rows of the
+    update at the weights that update's forward used: with dense fast boundaries its prior is the very gradient the
+    fast replica computed (GSPO's first update is on-policy: the ratio is 1 in both)."""
+    more = {"mesh.anchor": 1, "anchor.staleness": 1, "train.grad_clip": 0.0}
+    cfg = config(**(gspo_sets(prompts_file(tmp_path), **more) if objective == "gspo" else
+                    dpo_sets(pairs_file(tmp_path), **more)))
+    engine = SimEngine(cfg)
+    anchor, seen = engine.mesh.anchor, []
+    run_cycle = anchor.run_cycle
+
+    def spy(step, fast_stages, ctxs, replicas):  # replica 0's gradient as the cycle starts (before its optimizer step)
+        seen.append([{n: p.grad.clone() for n, p in st.named_parameters() if p.grad is not None} for st in fast_stages])
+        run_cycle(step, fast_stages, ctxs, replicas)
+
+    anchor.run_cycle = spy
+    engine.residual_start()
+    engine.train_step(0)
+    (prior,) = anchor.pending
+    for fast, grads in zip(seen[0], prior.grads):
+        assert fast.keys() == grads.keys() and fast
+        for n in fast:
+            torch.testing.assert_close(grads[n], fast[n], rtol=1e-5, atol=1e-7)
+    engine.train_step(1)  # the prior of step 0 is consumed at step 1
+    assert engine.mesh.priors_consumed == 1
+
+
+@pytest.mark.parametrize("objective", ["dpo", "gspo"])
+def test_objectives_train_with_the_anchor_circuit(tmp_path, objective):
+    sets = {"mesh.anchor": 1, "anchor.staleness": 1, "boundary.kind": "mask", "boundary.p": 0.9, "train.steps": 3}
+    sets = gspo_sets(prompts_file(tmp_path), **sets) if objective == "gspo" else dpo_sets(pairs_file(tmp_path), **sets)
+    assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["priors_consumed"] == 2 and summary["anchor_bytes"] > 0
+    assert all(r["anchor_bytes"] > 0 for r in rows(tmp_path / "run"))
 
 
 @pytest.mark.parametrize("keyed", [True, False])
 def test_a_sequence_gets_its_old_log_probs_in_any_microbatch_layout(tmp_path, keyed):
     """The old-log-prob pass of 8 rollouts as one microbatch of 8 or four of 2: the same log-probs per sequence
     when masks are keyed by sequence; keyed by microbatch (SFT's key) they differ."""
-    from thinpipe.rank.gspo import row_keys
-    from thinpipe.rank.pipe import chunk_contexts, rollout_rows
+    from thinpipe.objective.gspo import row_keys
+    from thinpipe.objective.pipe import chunk_contexts, rollout_rows
 
     cfg = config(**gspo_sets(prompts_file(tmp_path), **{"boundary.kind": "mask", "boundary.p": 0.9}))
     engine = SimEngine(cfg)
@@ -255,7 +287,7 @@ def test_a_data_driven_boundary_start_runs_on_the_objectives_data(tmp_path, obje
 def test_rollouts_stop_at_the_chat_formats_end_of_turn_too(tmp_path):
     """A tokenizer whose EOS is not the end of an assistant turn (a base model under ChatML)."""
     from tests.chat_families import tokenizer
-    from thinpipe.rank.gspo import stop_ids
+    from thinpipe.objective.gspo import stop_ids
 
     t = tokenizer("qwen2")
     t.eos_token = "<|endoftext|>"

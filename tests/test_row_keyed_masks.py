@@ -63,7 +63,6 @@ def test_sft_keeps_its_microbatch_keys():
     ({"train.objective": "gspo", "rl.max_response_tokens": 8, "train.microbatches": 2}, "microbatches"),
     ({"train.objective": "gspo", "rl.max_response_tokens": 8, "rl.minibatches": 3}, "does not divide"),
     ({"train.objective": "gspo", "rl.max_response_tokens": 8, "train.batch_size": 3}, "batch_size"),
-    ({"train.objective": "dpo", "mesh.anchor": 1}, "anchor"),
     ({"train.objective": "rlhf"}, "objective"),
     ({"train.objective": "gspo", "rl.group_size": 1}, "group_size"),
     ({"train.objective": "gspo", "rl.ratio_level": "seq"}, "ratio_level"),

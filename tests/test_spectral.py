@@ -175,14 +175,18 @@ def test_checkpoint_round_trip_continues_the_trajectory():
 
 
 def test_diagnostics_restore_the_masked_gradient_and_report_alignment():
-    from thinpipe.rank.diagnostics import gradient_diagnostics
+    from thinpipe.engine.sim_diagnostics import gradient_diagnostics
+    from thinpipe.rank.context import make_contexts
+
+    def ctxs(mesh, batch):
+        return make_contexts(batch, mesh.cfg.train.microbatches, mesh.step_index, 0)
 
     mesh = SimMesh(tiny_model("llama"), _anchor_cfg(anchor__staleness=1, diag__every=1))
     _run(mesh, 2)  # a basis exists from step 1 on
     batch = tiny_batch(2, seed=7)
     mesh.forward_backward([batch])
     before = [{n: p.grad.clone() for n, p in st.named_parameters()} for st in mesh.replicas[0]]
-    d = gradient_diagnostics(mesh, batch)
+    d = gradient_diagnostics(mesh, ctxs(mesh, batch))
     for st, ref in zip(mesh.replicas[0], before):
         for n, p in st.named_parameters():
             assert torch.equal(p.grad, ref[n])
@@ -190,7 +194,7 @@ def test_diagnostics_restore_the_masked_gradient_and_report_alignment():
     # with identity boundaries the "masked" gradient is the clean one
     dense = SimMesh(tiny_model("llama"), config(model__name="tiny-llama", mesh__pp=2, train__batch_size=2))
     dense.forward_backward([batch])
-    assert gradient_diagnostics(dense, batch)["cos_mask_clean_all"] == pytest.approx(1.0, abs=1e-9)
+    assert gradient_diagnostics(dense, ctxs(dense, batch))["cos_mask_clean_all"] == pytest.approx(1.0, abs=1e-9)
 
 
 def test_anchor_bytes_pull_pass_push():

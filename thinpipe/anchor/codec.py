@@ -31,11 +31,13 @@ def trained(stage) -> list[torch.Tensor]:
     return [p for p in stage.parameters() if p.requires_grad]
 
 
-def wire_expect(stage) -> Expect:
+def wire_expect(stage, rows_bytes: int = 0) -> Expect:
     """What an anchor link's receiver accepts (a pull's weights, a push's gradient or its PowerSGD
     factors, with their step and counters): no more than the stage's trained parameters in fp32,
-    plus a few small control tensors."""
-    return Expect(max_bytes=sum(p.numel() * max(4, p.element_size()) for p in trained(stage)) + CONTROL_BYTES)
+    plus a few small control tensors, plus ``rows_bytes`` (the most a pull's rows of an update hold:
+    ``objective/registry.py: anchor_rows_bytes``)."""
+    return Expect(max_bytes=sum(p.numel() * max(4, p.element_size()) for p in trained(stage)) + CONTROL_BYTES
+                  + rows_bytes)
 
 
 CONTROL_BYTES = 1024  # "step", "at", "bytes", "failed": a handful of int64s

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.anchor.dist_rank import AnchorFeed, AnchorStageRank
+from thinpipe.anchor.dist_rank import AnchorStageRank
+from thinpipe.anchor.feed import AnchorFeed
 from thinpipe.boundary import Boundary
 from thinpipe.comm import ByteMeter
 from thinpipe.comm.dist_group import DistGroup
@@ -34,10 +35,11 @@ def anchor_transports(layout, me: int, stage: int, groups: ProcessGroups, meter:
 
 
 def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups, meter: ByteMeter, links: MeshLinks,
-                      wire_dtype, compute_dtype, actions, train_ds, hidden: int, folder=None) -> AnchorStageRank:
+                      wire_dtype, compute_dtype, train_ds, hidden: int, vocab: int, folder=None) -> AnchorStageRank:
     """An anchor replica's stage process: dense boundaries, its PP traffic on the ``anchor`` axis
-    over the anchor row's links (shaped like the fast rows'), its own data shard; its checkpoint
-    parts in ``folder`` (the run's ``checkpoint/``)."""
+    over the anchor row's links (shaped like the fast rows'), its own data shard (SFT; DPO's and GSPO's rows
+    come with the pulls, their token ids below ``vocab``); its checkpoint parts in ``folder`` (the run's
+    ``checkpoint/``)."""
     m, s = cfg.mesh, stage.index
     dense = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
     device = device_of(stage)
@@ -47,8 +49,8 @@ def anchor_stage_rank(cfg: Config, stage, layout, me: int, groups: ProcessGroups
     worker = StageWorker(stage, m.dp, dense[s - 1] if s else None, dense[s] if s < m.pp - 1 else None, row,
                          compute_dtype, axes=("anchor", "anchor"))
     pull, push = anchor_transports(layout, me, s, groups, meter, links, device, wire)
-    return AnchorStageRank(cfg, stage, worker, actions, layout, me, pull, push, row, meter, wire_dtype,
-                           lambda cycles: anchor_batches(cfg, train_ds, cycles), folder)
+    return AnchorStageRank(cfg, stage, worker, layout, me, pull, push, row, meter, wire_dtype,
+                           lambda cycles: anchor_batches(cfg, train_ds, cycles), vocab, folder)
 
 
 def anchor_feed(cfg: Config, stage, replica: int, layout, me: int, groups: ProcessGroups, meter: ByteMeter,

@@ -18,34 +18,14 @@ from dataclasses import dataclass
 
 import torch
 
+from thinpipe.anchor.anchor_pass import run_anchor_pass, staleness_stats
 from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull, trained
 from thinpipe.boundary import Boundary
 from thinpipe.dp.powersgd import PowerSGDState
 from thinpipe.models.stages import Stage, build_stages
-from thinpipe.rank.context import make_contexts
-from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
+from thinpipe.rank.context import MicrobatchContext
+from thinpipe.rank.schedule import SCHEDULES, serial_order
 from thinpipe.rank.worker import StageWorker
-
-
-@torch.enable_grad()
-def run_anchor_pass(workers: list[StageWorker], order, batch: dict, step: int, microbatches: int,
-                    replica_tag: int) -> list[dict[str, torch.Tensor]]:
-    """The unmasked forward-backward of the stages in ``workers`` (one process: all of a replica's
-    stages; a real anchor rank: its own), actions in ``order`` as (stage, (kind, microbatch)) pairs;
-    returns each stage's gradient (local name -> tensor) and clears it."""
-    ctxs = make_contexts(batch, microbatches, step, replica_tag)  # the batch is on the stages' device
-    execute(order, {w.stage.index: w for w in workers}, ctxs)
-    grads = []
-    for w in workers:
-        grads.append({n: p.grad.detach().clone() for n, p in w.stage.named_parameters() if p.grad is not None})
-        w.stage.zero_grad(set_to_none=True)
-    return grads
-
-
-def staleness_stats(seen: list[int]) -> dict:
-    """The anchor keys of a run's summary that both engines compute alike."""
-    return {"priors_consumed": len(seen), "anchor_staleness_mean": sum(seen) / len(seen) if seen else None,
-            "anchor_staleness_max": max(seen) if seen else None}
 
 
 @dataclass
@@ -69,7 +49,6 @@ class SimAnchorCircuit:
                                     boundaries[s] if s < m.pp - 1 else None, mailbox, compute_dtype,
                                     axes=("anchor", "anchor"))
                         for s, st in enumerate(self.stages)]
-        self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.replica_tag = replica_tag
         self.push = ([PowerSGDState(rank=cfg.anchor.push_rank, start_step=0, seed=t.seed + s) for s in range(m.pp)]
                      if cfg.anchor.push_rank else None)
@@ -80,15 +59,15 @@ class SimAnchorCircuit:
         return step % self.every == 0
 
     @torch.enable_grad()
-    def run_cycle(self, step: int, fast_stages: list[Stage], batch: dict, fast_replicas: int) -> None:
-        """Pull w_step from ``fast_stages``, run the unmasked pass, queue the prior for step + delta.
-        Pull and push go through ``anchor/codec.py``, as on the real mesh."""
+    def run_cycle(self, step: int, fast_stages: list[Stage], ctxs: list[MicrobatchContext], fast_replicas: int) -> None:
+        """Pull w_step from ``fast_stages``, run the unmasked pass of ``ctxs`` (``Objective.anchor_contexts``),
+        queue the prior for step + delta. Pull and push go through ``anchor/codec.py``, as on the real mesh."""
         for mine, theirs in zip(self.stages, fast_stages):
             flat = encode_pull(trained(theirs), self.wire_dtype)
             load_pull(trained(mine), flat)
             self.meter.add("anchor", flat.nbytes)
-        grads = run_anchor_pass(self.workers, self.schedule, batch, step, self.cfg.train.microbatches,
-                                self.replica_tag)
+        order = serial_order(SCHEDULES[self.cfg.train.schedule](self.cfg.mesh.pp, len(ctxs)))
+        grads = run_anchor_pass(self.workers, order, ctxs)
         received = []
         for s, g in enumerate(grads):
             push = encode_push(g, self.push[s] if self.push else None, self.wire_dtype)

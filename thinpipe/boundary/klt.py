@@ -108,7 +108,7 @@ class KltBoundary(OutlierBoundary):
             raise ValueError(f"boundary.klt_basis_dtype must be bfloat16 or int8, got {basis_dtype!r}")
         self.basis_int8 = basis_dtype == "int8"
         # a refresh changes the codes from the decoded data of the steps before it: RL's two forwards of one
-        # sequence must code it alike, so a refreshing boundary is refused with GSPO (rank/gspo.py)
+        # sequence must code it alike, so a refreshing boundary is refused with GSPO (objective/gspo.py)
         self.forward_state = refresh_every > 0
         d = hidden_size
         # Until the residual start fits them: the identity basis, unit variances, an even allocation

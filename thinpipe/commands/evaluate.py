@@ -132,7 +132,6 @@ def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh:
     except a run whose boundaries are not part of its model, scored as its merged Hugging Face model.
     A model alone is its Hugging Face model for multiple choice and one stage for generation."""
     from thinpipe.commands.mesh_source import build_mesh, is_run_folder
-    from thinpipe.config import ARCHITECTURAL_KINDS
     from thinpipe.eval import logits_fn_from_model
     from thinpipe.models import load_model
     from thinpipe.models.presets import DEFAULT_MODEL
@@ -144,7 +143,7 @@ def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh:
         mesh, loaded = build_mesh(spec if run else None, None if run else model_name, list(sets), device)
         tokenizer = loaded.tokenizer
         generate_batch = mesh_generator(tokenizer, mesh=mesh)
-        if run and mesh.cfg.boundary.kind not in ARCHITECTURAL_KINDS:
+        if run and not any(b.architectural for b in mesh.boundaries):  # the kind says whether it is the model
             from thinpipe.models import merge_stages
             from thinpipe.models.lora import merge_lora
 

@@ -309,11 +309,13 @@ def elastic_summary(out: Path, cfg) -> dict:
     # the first replica's summary is the job's (as --engine dist reports replica 0's), so that
     # `thinpipe compare` reads an elastic job's folder as any run's; what is one replica's own goes
     job = {k: v for k, v in (first or {}).items() if k not in REPLICA_KEYS}
+    # the objective's held-out measure (final_val_loss; GSPO's final_val_accuracy), as every replica wrote it
+    final = next((k for k in (first or {}) if k.startswith("final_val_")), "final_val_loss")
     summary = {
         **job, "engine": "elastic", "replicas": cfg.mesh.dp, "stages": cfg.mesh.pp, "steps": cfg.train.steps,
         "replicas_finished": len({s["replica"] for s in summaries.values()}),
-        "final_val_loss": first["final_val_loss"] if first else None,
-        "final_val_loss_by_replica": {name: s["final_val_loss"] for name, s in summaries.items()},
+        final: first[final] if first else None,
+        f"{final}_by_replica": {name: s.get(final) for name, s in summaries.items()},
         "restarts": len([e for e in events if e["event"] == "replica_restarted"]),
         "failures": [{k: f[k] for k in ("replica", "stage", "how", "wall_s")} for f in failed],
         "steps_redone": len({e["step"] for e in events if e["event"] == "rolled_back"}),

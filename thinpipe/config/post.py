@@ -94,10 +94,6 @@ def check_objective(cfg) -> None:
     t, rl, obj = cfg.train, cfg.rl, cfg.train.objective
     if obj == "sft":
         return
-    if cfg.mesh.anchor:
-        raise ConfigError(f"train.objective = {obj} with the anchor circuit is not supported yet: set mesh.anchor = 0")
-    if cfg.diag.every:
-        raise ConfigError(f"diag.every compares SFT gradients; with train.objective = {obj} set diag.every = 0")
     if t.lora.rank and t.lora.dropout:
         # every forward would draw new dropout masks: a sequence's old-log-prob, reference and update forwards
         # would differ (TRL's trainers disable dropout for the same reason)

@@ -46,12 +46,9 @@ from thinpipe.engine.dist_setup import (
 )
 from thinpipe.engine.loop import run
 from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at_step
-from thinpipe.placement import to_device
-from thinpipe.rank.context import make_contexts
-from thinpipe.rank.from_config import DTYPES, lr_at, replica_stream, residual_batches, val_batches, wire_dtype
-from thinpipe.rank.objectives import make_objective
-from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
-from thinpipe.rank.schedule import execute
+from thinpipe.objective.registry import make_objective
+from thinpipe.rank.from_config import DTYPES, val_batches, wire_dtype
+from thinpipe.rank.passes import residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.stage_rank import StageRank
 
 PART_KEYS = ("step", "world_size", "role", "rank", "boundaries", "bytes", "anchor")  # a rank's part, the rest is extra
@@ -69,7 +66,6 @@ class DistEngine:
         self.data_replica = r.role.replica if data_replica is None else data_replica
         self.cfg, self.layout, self.role, self.groups = cfg, r.layout, r.role, r.groups
         self.stage, self.bounds, self.train_ds, self.val_ds = r.stage, r.bounds, r.train_ds, r.val_ds
-        self.order = [(r.stage.index, a) for a in r.actions]  # this stage's row of the schedule
         self.rank, self.world_size, self.device = r.role.rank, r.layout.world_size, r.device
         self.lead = self.rank == 0
         self.meter = ByteMeter()
@@ -90,15 +86,14 @@ class DistEngine:
                                  links, wire_dtype(cfg)) if m.anchor else None)
         self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
         self._complete = -1  # the newest checkpoint set every rank holds
-        self._stream = None
         self._fault_at = fault_at_step()  # crash-recovery tests only (thinpipe/faults.py)
-        # after SFT (train.objective = dpo | gspo): the objective's step over this rank (rank/objectives.py)
+        # train.objective's step over this rank (objective/registry.py)
         self.pipe = DistPipe(self, r.tokenizer)
         self.objective = make_objective(cfg, self.pipe, r.train_ds, r.val_ds, r.tokenizer, [r.bounds])
-        self.val_key = self.objective.val_key if self.objective is not None else "val_loss"
+        self.val_key = self.objective.val_key
 
     # --------------------------------------------------------------------------------------------
-    def _gather(self, values: list[float]) -> list[torch.Tensor]:
+    def gather(self, values: list[float]) -> list[torch.Tensor]:
         """Every fast rank's ``values`` (float64), in global rank order."""
         t = torch.tensor(values, dtype=torch.float64)
         out = [torch.empty_like(t) for _ in range(self.layout.dp * self.layout.pp)]
@@ -110,10 +105,8 @@ class DistEngine:
         batches up to the sender, which computes the start; every fast rank holding the boundary
         loads it (a payload broadcast over the fast ranks; metered on ``pp_params`` by the owner as in the
         simulation: ``start_copies``)."""
-        obj = self.objective
         wanted = residual_start_boundaries(self.bounds)
-        batches = (obj.residual_batches() if obj is not None else residual_batches(self.cfg, self.train_ds)) \
-            if wanted else []
+        batches = self.objective.residual_batches() if wanted else []
         for p in wanted:
             out: dict[int, list[torch.Tensor]] = {}
             if self.role.replica == 0:
@@ -127,61 +120,31 @@ class DistEngine:
             for b in (self.in_b, self.out_b):
                 if b is not None and b.index == p:
                     b.load_init(payload)
-        if obj is not None and hasattr(obj, "compute_reference"):  # DPO: the starting weights' log-probs, once
-            obj.compute_reference()
+        self.objective.start()
 
     def at_step(self, step: int) -> int:
         return step
 
     def tokens_seen(self, step: int) -> int:
-        if self.objective is not None:
-            return self.objective.tokens
-        t = self.cfg.train
-        return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
-
-    def next_batch(self, step: int) -> dict:
-        if self._stream is None:
-            self._stream = replica_stream(self.cfg, self.train_ds, self.data_replica, step)
-        return to_device(next(self._stream), self.device)
+        return self.objective.tokens
 
     def train_step(self, step: int) -> float:
-        """This rank's share of one step; returns the step's training loss (mean over replicas)."""
-        if self.objective is not None:
-            if step == self._fault_at:
-                raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
-            loss = self.objective.step(step)
-            self.pipe.sync_meters()
-            self.step_index = step + 1
-            return loss
-        self.compute_step(step)
-        # one collective: every fast rank's loss (the last stages') and byte meter
-        mine = self.meter.snapshot()
-        rows = self._gather([sum(self.rk.worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
-                             *(mine[a] for a in AXES)])
-        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
-        self._grad_norm = float(rows[0][1])  # replica 0's, as the simulation reports: every rank decides alike
-        losses = [float(rows[self.layout.grid[r][-1]][0]) for r in range(self.cfg.mesh.dp)]
-        return sum(losses) / len(losses)
-
-    def compute_step(self, step: int) -> None:
-        """The step's pipeline schedule and every phase after it (DP syncs, the optimizer step)."""
+        """This rank's share of one step (``objective/``'s step over ``DistPipe``); returns the step's training
+        loss (the mean over replicas, on every rank)."""
         if step == self._fault_at:
             raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
-        cfg, rk = self.cfg, self.rk
-        batch = self.next_batch(step)
-        rk.begin_step(step)
-        if self.feed is not None:
-            self.feed.maybe_pull(step)  # w_t: the weights this step's forward uses
-        ctxs = make_contexts(batch, cfg.train.microbatches, step, self.data_replica)
-        with torch.enable_grad():
-            execute(self.order, {self.stage.index: rk.worker}, ctxs)
-        self.after_schedule(step)
-        priors = self.feed.due(step) if self.feed is not None else []
-        for phase in rk.phases(step, lr_at(cfg, step), priors, cfg.anchor.mix):
-            for work in phase:
-                work.wait()
-        self.transport.flush()
+        loss = self.objective.step(step)
+        self.record_step()
         self.step_index = step + 1
+        return loss
+
+    def record_step(self) -> None:
+        """After a step: the whole mesh's bytes and replica 0's gradient norm (every rank decides alike on it), in
+        one collective over the fast ranks."""
+        mine = self.meter.snapshot()
+        rows = self.gather([self.rk.last_grad_norm, *(mine[a] for a in AXES)])
+        self._bytes = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        self._grad_norm = float(rows[0][0])
 
     def after_schedule(self, step: int) -> None:
         """Between a step's pipeline schedule and its DP syncs (fault-injection point of the elastic tests)."""
@@ -195,20 +158,10 @@ class DistEngine:
         return dict(self._bytes)
 
     def step_metrics(self) -> dict:
-        return self.objective.metrics() if self.objective is not None else {}
+        return self.objective.metrics()
 
     def validation_loss(self) -> float:
-        if self.objective is not None:
-            return self.objective.validation()
-        out: list[tuple[float, int]] = []
-        if self.role.replica == 0:
-            for _ in heldout_pass(self.stage, self.in_b, self.out_b, self.eval_transport,
-                                  val_batches(self.val_ds, self.cfg.train.batch_size), self.rk.worker.compute_dtype,
-                                  self.step_index, out):
-                pass
-        total, n = sum(t for t, _ in out), sum(c for _, c in out)  # the last stage's; (0.0, 0) elsewhere
-        total, n = (float(x) for x in self._gather([total, float(n)])[self.layout.grid[0][-1]])
-        return total / max(n, 1)
+        return self.objective.validation()
 
     def captured_energy(self) -> dict | None:
         """As the simulation's: each sender of replica 0 measures its own boundary."""
@@ -224,7 +177,7 @@ class DistEngine:
         if self.stage.index in out:
             mine = list(energy_vs_fixed(torch.cat(out[self.stage.index]), self.out_b.subspace(), self.cfg.train.seed,
                                         self.out_b.index))
-        rows = self._gather(mine)
+        rows = self.gather(mine)
         senders = [rows[self.layout.grid[0][b.index]] for b in self.bounds]
         return {"learned": [float(r[0]) for r in senders], "fixed": [float(r[1]) for r in senders]}
 
@@ -234,7 +187,7 @@ class DistEngine:
     # checkpoints --------------------------------------------------------------------------------
     def weights_finite(self) -> bool:
         mine = all(bool(torch.isfinite(p).all()) for p in self.stage.parameters())
-        return all(float(r[0]) == 1.0 for r in self._gather([1.0 if mine else 0.0]))
+        return all(float(r[0]) == 1.0 for r in self.gather([1.0 if mine else 0.0]))
 
     def save(self, folder: Path, extra: dict) -> None:
         """Every rank writes its part ``rank{r}`` of the set ``step{N}/`` (``thinpipe/checkpoint.py``);
@@ -250,8 +203,7 @@ class DistEngine:
                    "rank": self.rk.state_dict(),
                    "boundaries": {b.index: held_state(b.state_dict())
                                   for b in (self.in_b, self.out_b) if b is not None},
-                   "bytes": self.meter.snapshot(), "anchor": anchor, **extra,
-                   **({"objective": self.objective.state_dict()} if self.objective is not None else {})})
+                   "bytes": self.meter.snapshot(), "anchor": anchor, **extra, "objective": self.objective.state_dict()})
         if step == fault_at_checkpoint() and self.rank == self.layout.dp * self.layout.pp - 1:
             raise RuntimeError(f"THINPIPE_FAULT_AT_CHECKPOINT: injected fault while checkpointing step {step}")
         dist.barrier(group=self.groups.fast)
@@ -261,7 +213,6 @@ class DistEngine:
     def load(self, folder: Path) -> tuple[int, dict]:
         step, state = agreed_set(folder, self.rank, self.world_size)
         self.step_index, self._complete = state["step"], step
-        self._stream = None  # the data stream restarts at the loaded step (a resume, or a rollback)
         if self.feed is not None:
             self.feed.load_state_dict(state["anchor"])
         for b in (self.in_b, self.out_b):
@@ -270,9 +221,9 @@ class DistEngine:
                 if unexpected or set(missing) & set(held_state(b.state_dict())):  # only placeholders may be absent
                     raise ConfigError(f"--resume: boundary {b.index}'s checkpoint does not match this run "
                                       f"(missing {sorted(missing)}, unexpected {sorted(unexpected)})")
+        # the objective's data streams restart at the loaded step
+        self.objective.load_state_dict(state.pop("objective", {}), state["step"])
         self.load_rank(state)
-        if self.objective is not None:
-            self.objective.load_state_dict(state.pop("objective"))
         # The receiver's copy of shared boundary parameters equals the owner's again (not metered:
         # a resume re-sync, not training traffic).
         row = self.role.replica
@@ -283,7 +234,7 @@ class DistEngine:
                                                                     self.in_b.param_expect()))
         self.eval_transport.flush()
         self.meter.totals.update(state["bytes"])
-        self._bytes = {a: int(float(sum(r[i] for r in self._gather([float(self.meter.totals[a]) for a in AXES]))))
+        self._bytes = {a: int(float(sum(r[i] for r in self.gather([float(self.meter.totals[a]) for a in AXES]))))
                        for i, a in enumerate(AXES)}
         # what the run loop and an engine saved besides this rank's state (val_points, an elastic replica's counters)
         return state["step"], {k: v for k, v in state.items() if k not in PART_KEYS}
@@ -300,13 +251,13 @@ class DistEngine:
             return
         self.feed.finish(self._complete)
         extra = [float(self.feed.anchor_bytes[a]) if self.role.replica == 0 else 0.0 for a in AXES]
-        rows = self._gather(extra)
+        rows = self.gather(extra)
         for i, a in enumerate(AXES):
             self._bytes[a] += int(sum(float(r[i]) for r in rows))
 
     def summary_extras(self) -> dict:
-        counts = self._gather([float(self.rk.trainable_count() if self.role.replica == 0 else 0)])
-        memory = self._gather([float(sum(b.memory_bytes() for b in (self.in_b, self.out_b) if b is not None))])
+        counts = self.gather([float(self.rk.trainable_count() if self.role.replica == 0 else 0)])
+        memory = self.gather([float(sum(b.memory_bytes() for b in (self.in_b, self.out_b) if b is not None))])
         return {"engine": "dist", "trainable_params": int(sum(float(c[0]) for c in counts)),
                 "boundary_memory_bytes": int(sum(float(m[0]) for m in memory)),
                 **(self.feed.summary() if self.feed else {})}

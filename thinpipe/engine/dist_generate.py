@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.engine.sim_generate import chunks, pick_boundary
-from thinpipe.rank.generation import Sampling, decode_pass, pad_id_of
+from thinpipe.rank.generation import Sampling, chunks, decode_pass, pad_id_of, pick_boundary
 
 
 def generate_on_rank(engine, prompts: list[list[int]], sampling: Sampling, tokenizer, *, boundaries: str = "dense",

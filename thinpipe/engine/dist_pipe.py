@@ -1,18 +1,19 @@
-"""A fast rank's ``Pipe`` (``rank/pipe.py``) on the real mesh: its own stage of its replica.
+"""A fast rank's ``Pipe`` (``objective/pipe.py``) on the real mesh: its own stage of its replica.
 
-Forward-only passes and updates run this rank's row of the pass through its ``StageWorker`` (the training
-worker on the training transport, metered; an eval worker, dense unless part of the model, on the evaluation
-transport), an update's phases as ``DistEngine.compute_step`` runs them; generation runs this rank's
-``rank/generation.py`` pass (``dist_generate.py``); statistics are summed over the fast ranks in one collective.
+Forward-only passes and updates run this rank's row of the pass through its ``StageWorker`` (the training worker on
+the training transport, metered; an eval worker, dense unless part of the model, on the evaluation transport). An
+update is the one place a real rank assembles one: the stage's row of the schedule, the anchor circuit's pull and
+the priors due (``anchor/dist_rank.py: AnchorFeed``), every phase of ``StageRank``. Generation runs this rank's
+``rank/generation.py`` pass (``dist_generate.py``); statistics are summed over the fast ranks in one collective
+(an elastic replica's: over its own stages, its world).
 """
 
 from __future__ import annotations
 
 import torch
 
-from thinpipe.comm import AXES
 from thinpipe.engine.dist_generate import generate_on_rank
-from thinpipe.rank.pipe import (
+from thinpipe.objective.pipe import (
     GENERATE_BATCH,
     eval_worker,
     forward_only,
@@ -20,6 +21,7 @@ from thinpipe.rank.pipe import (
     reference_worker,
     wants_reference,
 )
+from thinpipe.rank.passes import heldout_pass
 from thinpipe.rank.schedule import SCHEDULES, execute
 
 
@@ -28,8 +30,9 @@ class DistPipe:
         """``engine``: the rank's ``DistEngine`` (its stage, boundaries, transports, groups)."""
         self.e, self.tokenizer = engine, tokenizer
         self.device = engine.device
-        self.replicas = [engine.role.replica]
+        self.replicas = [engine.data_replica]  # an elastic replica's world numbers its row 0: its job replica's data
         self.holds_last = engine.stage.is_last
+        self.measures = engine.role.replica == 0
         self.lead = engine.lead
         self.eval_worker = eval_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
                                        engine.eval_transport, engine.rk.worker.compute_dtype)
@@ -53,28 +56,30 @@ class DistPipe:
         forward_only(forward_order(e.cfg.mesh.pp, len(ctxs), [s]), {s: worker}, ctxs)
         transport.flush()
 
-    def update(self, index, lr, ctxs):
-        e, rk = self.e, self.e.rk
-        rows = ctxs[e.role.replica]
-        s, pp = e.stage.index, e.cfg.mesh.pp
+    def update(self, index, lr, ctxs, source):
+        e, rk, cfg = self.e, self.e.rk, self.e.cfg
+        rows = ctxs[self.replicas[0]]
+        s = e.stage.index
         rk.begin_step(index)
+        if e.feed is not None:  # w_t: the weights this update's forward uses (with the rows of DPO's, GSPO's pass)
+            e.feed.maybe_pull(index, None if source.anchor_local else lambda: source.anchor_rows(index, ctxs))
         with torch.enable_grad():
-            execute([(s, a) for a in SCHEDULES[e.cfg.train.schedule](pp, len(rows))[s]], {s: rk.worker}, rows)
-        for phase in rk.phases(index, lr, [], 0.0):
+            execute([(s, a) for a in SCHEDULES[cfg.train.schedule](cfg.mesh.pp, len(rows))[s]], {s: rk.worker}, rows)
+        e.after_schedule(index)
+        priors = e.feed.due(index) if e.feed is not None else []
+        for phase in rk.phases(index, lr, priors, cfg.anchor.mix):
             for work in phase:
                 work.wait()
         e.transport.flush()
         return sum(rk.worker.losses) if e.stage.is_last else 0.0
 
-    def sum_stats(self, values):
-        rows = self.e._gather(list(values))
-        return [float(sum(float(r[i]) for r in rows)) for i in range(len(values))]
+    def heldout(self, batches):
+        e, out = self.e, []
+        for _ in heldout_pass(e.stage, e.in_b, e.out_b, e.eval_transport, batches, e.rk.worker.compute_dtype,
+                              e.step_index, out):
+            pass
+        return out
 
-    def sync_meters(self) -> None:
-        """The whole mesh's bytes and replica 0's gradient norm after a step (what ``DistEngine.train_step``
-        gathers for SFT), in one collective."""
-        e = self.e
-        mine = e.meter.snapshot()
-        rows = e._gather([e.rk.last_grad_norm, *(mine[a] for a in AXES)])
-        e._bytes = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
-        e._grad_norm = float(rows[0][0])
+    def sum_stats(self, values):
+        rows = self.e.gather(list(values))
+        return [float(sum(float(r[i]) for r in rows)) for i in range(len(values))]

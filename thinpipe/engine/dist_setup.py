@@ -43,9 +43,6 @@ def check_supported(cfg: Config) -> None:
                           "diverged weights' priors): set train.on_divergence = stop, or roll back in the simulation")
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
-    if cfg.train.objective != "sft" and cfg.train.on_divergence == "rollback":
-        raise ConfigError(f"--engine dist cannot roll back a train.objective = {cfg.train.objective} run yet: set "
-                          "train.on_divergence = stop, or roll back in the simulation")
 
 
 @dataclass(frozen=True)
@@ -65,6 +62,7 @@ class RankSetup:
     actions: list           # this stage's row of the pipeline schedule
     device: torch.device    # where this rank computes
     tokenizer: object = None  # the model's (an objective after SFT decodes rollouts with it)
+    vocab_size: int = 0       # the model's vocabulary (what token ids a peer sends may index)
 
     @staticmethod
     def build(cfg: Config, layout: MeshLayout | None = None) -> RankSetup:
@@ -86,7 +84,8 @@ class RankSetup:
             move(module, device)  # after attach: the owned boundary modules move with their stage
         groups = ProcessGroups.build(layout)  # every process, every group, the same order
         return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
-                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device, loaded.tokenizer)
+                         hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device, loaded.tokenizer,
+                         loaded.model.config.vocab_size)
 
 
 def held_state(state: dict) -> dict:
@@ -97,7 +96,8 @@ def held_state(state: dict) -> dict:
 
 def anchor_rank(r: RankSetup, folder: Path) -> AnchorStageRank:
     return anchor_stage_rank(r.cfg, r.stage, r.layout, r.role.rank, r.groups, ByteMeter(), r.links,
-                             wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.actions, r.train_ds, r.hidden_size, folder)
+                             wire_dtype(r.cfg), DTYPES[r.cfg.train.dtype], r.train_ds, r.hidden_size, r.vocab_size,
+                             folder)
 
 
 def agreed_set(folder: Path, rank: int, world_size: int) -> tuple[int, dict]:

@@ -134,6 +134,7 @@ class ElasticEngine(DistEngine):
         self._job_bytes = {a: 0 for a in AXES}  # the whole job's bytes (replicas present), committed steps
         self._job_tokens = 0
         self._reported = {a: 0 for a in AXES}   # this replica's bytes already in the job's totals
+        self._reported_tokens = 0               # and its trained tokens
         self._restore: dict | None = None       # a rolled-back step's snapshot, applied after the next quorum
         self._peer: dict | None = None          # a live peer's state, received while healing
         self._quorum_id = None
@@ -198,15 +199,17 @@ class ElasticEngine(DistEngine):
     def train_step(self, step: int) -> float | None:
         # in host memory (a GPU rank keeps no second copy on its device); restored as a resume is
         snapshot = _to_host(self._state())
-        self.compute_step(step)
+        if step == self._fault_at:
+            raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
+        loss = self.objective.step(step)  # this replica's (its Pipe sums over its own stages: its world)
         mine = self.meter.snapshot()
-        rows = self._gather([sum(self.rk.worker.losses) if self.stage.is_last else 0.0, self.rk.last_grad_norm,
-                             *(mine[a] for a in AXES)])  # this replica's stages (its own world)
-        sent = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
-        dp = self.cfg.mesh.dp
-        table = torch.zeros(dp, 3 + len(AXES), dtype=torch.float64)  # one row per replica slot, theirs only
-        table[self.replica] = torch.tensor([1.0, float(rows[self.layout.grid[0][-1]][0]), float(rows[0][1]),
-                                            *(float(sent[a] - self._reported[a]) for a in AXES)], dtype=torch.float64)
+        rows = self.gather([self.rk.last_grad_norm, *(mine[a] for a in AXES)])  # this replica's stages
+        sent = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        dp, tokens = self.cfg.mesh.dp, 3 + len(AXES)
+        table = torch.zeros(dp, tokens + 1, dtype=torch.float64)  # one row per replica slot, theirs only
+        table[self.replica] = torch.tensor([1.0, loss, float(rows[0][0]),
+                                            *(float(sent[a] - self._reported[a]) for a in AXES),
+                                            float(self.objective.tokens - self._reported_tokens)], dtype=torch.float64)
         self.manager.allreduce(table, reduce_op=dist.ReduceOp.SUM).wait()
         if not self.manager.should_commit():
             self._restore = snapshot
@@ -221,13 +224,13 @@ class ElasticEngine(DistEngine):
             if self.replica == members[0]:  # one replica reports the change
                 self._event("quorum", step, members=members, left=left, joined=joined)
             self._members = members
-        self._reported = sent
+        self._reported, self._reported_tokens = sent, self.objective.tokens
         for i, a in enumerate(AXES):
             self._job_bytes[a] += int(sum(float(table[r, 3 + i]) for r in members))
-        t = self.cfg.train
-        self._job_tokens += len(members) * t.batch_size * t.seq_len
+        self._job_tokens += int(sum(float(table[r, tokens]) for r in members))
         self._bytes = dict(self._job_bytes)
         self._grad_norm = float(table[members[0], 2])  # the first replica's, as --engine dist reports replica 0's
+        self.step_index = step + 1
         losses = [float(table[r, 1]) for r in members]
         return sum(losses) / len(losses)
 
@@ -236,7 +239,7 @@ class ElasticEngine(DistEngine):
 
     # state: a snapshot to roll back to, and what a joining peer receives ---------------------------
     def _state(self) -> dict:
-        return {"rank": self.rk.state_dict(),
+        return {"rank": self.rk.state_dict(), "objective": self.objective.state_dict(),
                 "boundaries": {b.index: held_state(b.state_dict()) for b in (self.in_b, self.out_b) if b is not None}}
 
     def _peer_state(self) -> dict:
@@ -254,11 +257,13 @@ class ElasticEngine(DistEngine):
                 b.load_state_dict(state["boundaries"][b.index], strict=False)
         for work in self.rk.load_state_dict(state["rank"]):
             work.wait()
+        # its data streams restart at the step it trains next
+        self.objective.load_state_dict(state["objective"], self.manager.current_step())
+        self._reported_tokens = self.objective.tokens
         if "job_bytes" in state:
             self._members = [int(m) for m in state["members"]]
             self._job_bytes = {a: int(state["job_bytes"][a]) for a in AXES}
             self._job_tokens = int(state["job_tokens"])
-        self._stream = None  # this replica's data shard, from the step it trains next
 
     def _repost(self) -> None:
         pending = [(due, f, deltas) for due, f, deltas, _, _ in self.rk.in_flight]
@@ -277,6 +282,7 @@ class ElasticEngine(DistEngine):
         with it, so at the first quorum a replica whose checkpoint is older heals from one ahead."""
         step, extra = super().load(folder)
         self._reported = dict(self._bytes)  # this replica's own bytes so far (super().load summed them)
+        self._reported_tokens = self.objective.tokens
         e = extra["elastic"]
         self.manager.load_state_dict(e["manager"])
         self._members = [int(m) for m in e["members"]]
@@ -288,7 +294,8 @@ class ElasticEngine(DistEngine):
     def load_rank(self, state: dict) -> None:
         # applied after the first quorum: re-posting syncs in flight needs the DP group, and a peer's
         # newer state may replace it (at_step)
-        self._restore = {"rank": state["rank"], "boundaries": state["boundaries"]}
+        self._restore = {"rank": state["rank"], "boundaries": state["boundaries"],
+                         "objective": self.objective.state_dict()}
 
     def summary_extras(self) -> dict:
         return {**super().summary_extras(), "engine": "elastic", "replica": self.replica, "restart": self.restart,

@@ -31,9 +31,6 @@ def check_elastic(cfg: Config) -> None:
                           "set train.on_divergence = stop")
     if cfg.diag.every:
         raise ConfigError("elastic replicas do not compute gradient diagnostics: set diag.every = 0")
-    if cfg.train.objective != "sft":
-        raise ConfigError(f"elastic replicas train SFT only so far: train.objective = {cfg.train.objective} runs with "
-                          "--engine sim or --engine dist")
 
 
 def quiet_torchft() -> None:

@@ -54,8 +54,8 @@ class Engine(Protocol):
     def load(self, folder: Path) -> tuple[int, dict]: ...      # (step, extra)
     def finish(self) -> None: ...
     def summary_extras(self) -> dict: ...
-    # after SFT (train.objective): the held-out measure's row key (``val_loss``, GSPO's ``val_accuracy``) and
-    # the objective's own metrics of the last step (rank/dpo.py, rank/gspo.py); SFT: "val_loss" and {}
+    # train.objective's held-out measure's row key (``val_loss``, GSPO's ``val_accuracy``) and its own metrics of
+    # the last step (objective/: DPO's margin and accuracy, GSPO's rewards; SFT's: none)
     val_key: str
     def step_metrics(self) -> dict: ...
 
@@ -108,7 +108,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     """Train ``engine`` as configured; the lead returns the summary (also in ``out/summary.json``)."""
     t = cfg.train
     ckpt = out / "checkpoint"
-    vk = getattr(engine, "val_key", "val_loss")
+    vk = engine.val_key
     start, val_points = 0, []
     if resume:
         with restoring(ckpt):  # a hand-edited part whose digests verify: one line (checkpoint.py)
@@ -153,7 +153,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
                        "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
                        "wall_s": time.perf_counter() - wall0}
-                row.update(_step_metrics(engine))
+                row.update(engine.step_metrics())
                 diag = engine.diagnostics()
                 if diag is not None:
                     row["diag"] = diag
@@ -212,7 +212,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if t.objective == "sft" else {}),
         "objective": t.objective,
         **{f"{a}_bytes": b[a] for a in AXES}, "bytes_per_token": {a: b[a] / tokens for a in AXES},
-        "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None,
+        "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "rollbacks": rollbacks,
         **extras, "val_points": val_points,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -226,11 +226,6 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
                 f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
     return summary
-
-
-def _step_metrics(engine) -> dict:
-    fn = getattr(engine, "step_metrics", None)
-    return fn() if fn is not None else {}
 
 
 def _rate(nbytes: float, seconds: float) -> str:

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from thinpipe.checkpoint import latest_complete, refuse_legacy, restoring
-from thinpipe.config import ARCHITECTURAL_KINDS, ConfigError, load_config
+from thinpipe.config import ConfigError, load_config
 from thinpipe.console import say
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import merge_stages
@@ -47,7 +47,7 @@ def load_mesh(run_dir: str | Path, device: str = "cpu"):
 def load_run(run_dir: str | Path, device: str = "cpu"):
     """(config, merged Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run."""
     cfg, mesh, loaded = load_mesh(run_dir, device)
-    if cfg.boundary.kind in ARCHITECTURAL_KINDS:
+    if any(b.architectural for b in mesh.boundaries):  # the boundary kind says it is part of the model
         raise ConfigError(f"{run_dir} trained with boundary.kind = {cfg.boundary.kind}, "
                           "whose projectors are part of the model: a plain Hugging Face model would drop them. "
                           "`thinpipe eval --model RUN` evaluates it through its boundaries; "

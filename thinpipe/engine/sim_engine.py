@@ -19,20 +19,12 @@ from thinpipe.console import say
 from thinpipe.engine.loop import resolve_resume, run
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.engine.sim_pipe import SimPipe
-from thinpipe.rank.from_config import (
-    anchor_stream,
-    build_data,
-    load,
-    place,
-    replica_stream,
-    residual_batches,
-    val_batches,
-)
-from thinpipe.rank.objectives import make_objective
+from thinpipe.objective.registry import make_objective
+from thinpipe.rank.from_config import build_data, load, place, val_batches
 
 
 def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
-    """Replica 0's held-out loss over ``val`` (token mean)."""
+    """Replica 0's held-out loss over ``val`` (token mean): what ``objective/sft.py`` measures (``thinpipe prune``)."""
     total, n = 0.0, 0
     for batch in val_batches(val, batch_size):
         s, c = mesh.eval_loss(batch)
@@ -55,40 +47,26 @@ class SimEngine:
         self.train_ds, self.val_ds = build_data(cfg, loaded.tokenizer)
         self.mesh = SimMesh(loaded.model, cfg, self.device)
         self.world_size = (cfg.mesh.dp + cfg.mesh.anchor) * cfg.mesh.pp
-        self._streams = None
-        # after SFT (train.objective = dpo | gspo): the objective's step over every replica (rank/objectives.py)
+        # train.objective's step over every replica (objective/registry.py)
         self.objective = make_objective(cfg, SimPipe(self.mesh, loaded.tokenizer), self.train_ds, self.val_ds,
                                         loaded.tokenizer, self.mesh.replica_boundaries)
-        self.val_key = self.objective.val_key if self.objective is not None else "val_loss"
+        self.val_key = self.objective.val_key
 
     def residual_start(self) -> None:
-        obj = self.objective
         if any(b.wants_residual_init for b in self.mesh.boundaries):
-            self.mesh.residual_start(obj.residual_batches() if obj is not None else
-                                     residual_batches(self.cfg, self.train_ds))
-        if obj is not None and hasattr(obj, "compute_reference"):  # DPO: the starting weights' log-probs, once
-            obj.compute_reference()
+            self.mesh.residual_start(self.objective.residual_batches())
+        self.objective.start()
 
     def at_step(self, step: int) -> int:
         return step
 
     def tokens_seen(self, step: int) -> int:
-        if self.objective is not None:
-            return self.objective.tokens
-        t = self.cfg.train
-        return (step + 1) * t.batch_size * t.seq_len * self.cfg.mesh.dp
+        return self.objective.tokens
 
     def train_step(self, step: int) -> float:
-        mesh, cfg = self.mesh, self.cfg
-        if self.objective is not None:
-            loss = self.objective.step(step)
-            mesh.step_index = step + 1
-            return loss
-        if self._streams is None:  # from the step the run starts (or resumes) at
-            self._streams = [replica_stream(cfg, self.train_ds, r, step) for r in range(cfg.mesh.dp)]
-            self._anchor = anchor_stream(cfg, self.train_ds, step) if mesh.anchor is not None else None
-        anchor_batch = next(self._anchor) if self._anchor is not None and mesh.anchor.starts_at(step) else None
-        return mesh.train_step([next(s) for s in self._streams], anchor_batch)
+        loss = self.objective.step(step)
+        self.mesh.step_index = step + 1
+        return loss
 
     def grad_norm(self) -> float:
         return self.mesh.last_grad_norm
@@ -97,12 +75,10 @@ class SimEngine:
         return self.mesh.meter.snapshot()
 
     def step_metrics(self) -> dict:
-        return self.objective.metrics() if self.objective is not None else {}
+        return self.objective.metrics()
 
     def validation_loss(self) -> float:
-        if self.objective is not None:
-            return self.objective.validation()
-        return mesh_validation_loss(self.mesh, self.val_ds, self.cfg.train.batch_size)
+        return self.objective.validation()
 
     def captured_energy(self) -> dict | None:
         """Per boundary with a subspace: captured energy of the first validation batch's residual by
@@ -125,9 +101,8 @@ class SimEngine:
         return all(bool(torch.isfinite(p).all()) for rk in self.mesh.all_ranks() for p in rk.stage.parameters())
 
     def save(self, folder: Path, extra: dict) -> None:
-        if self.objective is not None:
-            extra = {**extra, "objective": self.objective.state_dict()}
-        save_part(step_dir(folder, self.mesh.step_index), "mesh", {"mesh": self.mesh.state_dict(), **extra})
+        save_part(step_dir(folder, self.mesh.step_index), "mesh",
+                  {"mesh": self.mesh.state_dict(), **extra, "objective": self.objective.state_dict()})
         prune(folder, self.cfg.train.keep_checkpoints, ["mesh"])
 
     def load(self, folder: Path) -> tuple[int, dict]:
@@ -137,9 +112,8 @@ class SimEngine:
             raise ConfigError(f"--resume: no checkpoint in {folder}; start without --resume")
         _, state = found
         self.mesh.load_state_dict(state.pop("mesh"))
-        if self.objective is not None:
-            self.objective.load_state_dict(state.pop("objective"))
-        self._streams = None  # the data streams restart at the loaded step (a resume, or a rollback)
+        # its data streams restart at the loaded step
+        self.objective.load_state_dict(state.pop("objective", {}), self.mesh.step_index)
         return self.mesh.step_index, state
 
     def finish(self) -> None:

@@ -12,28 +12,7 @@ import torch
 
 from thinpipe.comm import drive_lockstep
 from thinpipe.comm.protocols import Transport
-from thinpipe.config import ConfigError
-from thinpipe.rank.generation import Sampling, decode_pass, pad_id_of
-from thinpipe.rank.passes import eval_boundary
-
-BOUNDARY_CHOICES = ("dense", "train")
-
-
-def pick_boundary(b, boundaries: str):
-    """The boundary a generation pass goes through, for ``boundaries`` = dense | train."""
-    if boundaries not in BOUNDARY_CHOICES:
-        raise ConfigError(f"boundaries must be one of {', '.join(BOUNDARY_CHOICES)}, got {boundaries!r}")
-    if b is None:
-        return None
-    return eval_boundary(b) if boundaries == "dense" else b
-
-
-def chunks(n: int, batch_size: int | None) -> list[slice]:
-    """Slices of ``n`` prompts, at most ``batch_size`` each (None: one)."""
-    if batch_size is not None and batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    size = n if batch_size is None else batch_size
-    return [slice(i, i + size) for i in range(0, n, max(size, 1))]
+from thinpipe.rank.generation import Sampling, chunks, decode_pass, pad_id_of, pick_boundary
 
 
 def generate_on_stages(stages: list, bounds: list, transport: Transport, prompts: list[list[int]], sampling: Sampling,

@@ -24,10 +24,11 @@ from thinpipe.boundary import build_boundaries
 from thinpipe.boundary.link import through
 from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
 from thinpipe.config import Config
+from thinpipe.engine.sim_diagnostics import gradient_diagnostics
 from thinpipe.models.stages import Stage, build_stages
+from thinpipe.objective.registry import anchor_contexts
 from thinpipe.placement import autocast, compute_dtype_name, to_device
 from thinpipe.rank.context import MicrobatchContext, make_contexts, positions_and_mask
-from thinpipe.rank.diagnostics import gradient_diagnostics
 from thinpipe.rank.from_config import DTYPES, lr_at, wire_dtype
 from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
@@ -77,7 +78,6 @@ class SimMesh:
                 st.to(device)
         self.priors_consumed = 0
         self.last_diagnostics: dict | None = None
-        self.schedule = serial_order(SCHEDULES[t.schedule](m.pp, t.microbatches))
         self.step_index = 0
         self.last_grad_norm = 0.0
 
@@ -116,25 +116,25 @@ class SimMesh:
             self.meter.add("pp_params", payload.nbytes * start_copies(self.cfg.mesh.dp))
 
     @torch.enable_grad()
+    def run_schedules(self, ctxs: dict[int, list[MicrobatchContext]]) -> float:
+        """Every replica's pipeline schedule over its contexts; leaves gradients in the stages. Returns the sum
+        over replicas of their summed microbatch losses."""
+        total = 0.0
+        for r, rows in ctxs.items():
+            execute(serial_order(SCHEDULES[self.cfg.train.schedule](self.cfg.mesh.pp, len(rows))), self.workers[r],
+                    rows)
+            total += sum(self.workers[r][self.cfg.mesh.pp - 1].losses)
+        return total
+
     def forward_backward(self, batches: list[dict]) -> float:
-        """Run every replica's pipeline on its batch; leaves gradients in the stages. Returns the
-        mean over replicas of the (token-mean) training loss."""
-        losses = []
-        for r, batch in enumerate(batches):
-            ctxs = make_contexts(to_device(batch, self.device), self.cfg.train.microbatches, self.step_index, r)
-            execute(self.schedule, self.workers[r], ctxs)
-            losses.append(sum(self.workers[r][self.cfg.mesh.pp - 1].losses))
-        return sum(losses) / len(losses)
+        """``run_schedules`` of one SFT batch per replica (tests); returns the mean over replicas of the
+        (token-mean) training loss."""
+        ctxs = {r: make_contexts(to_device(b, self.device), self.cfg.train.microbatches, self.step_index, r)
+                for r, b in enumerate(batches)}
+        return self.run_schedules(ctxs) / len(batches)
 
     def lr_at(self, step: int) -> float:
         return lr_at(self.cfg, step)
-
-    def run_anchor(self, anchor_batch: dict | None) -> None:
-        if self.anchor is not None and self.anchor.starts_at(self.step_index):
-            if anchor_batch is None:
-                raise ValueError("the anchor circuit starts a cycle at this step but got no batch")
-            self.anchor.run_cycle(self.step_index, self.replicas[0], to_device(anchor_batch, self.device),
-                                  self.cfg.mesh.dp)
 
     def sync_boundary_grads(self) -> None:
         """Receivers return their gradient contributions to shared boundary parameters to the owners
@@ -146,23 +146,42 @@ class SimMesh:
         self.phase(lambda rk: rk.dp_sync())
         self.phase(lambda rk: rk.tied_sync())
 
-    def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
-        """One step of every rank; returns the mean over replicas of the training loss."""
+    def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]], source=None) -> float:
+        """One update of every rank (``objective/pipe.py: Pipe.update``; the one place the simulation assembles
+        one): every replica's schedule over its contexts, then the phases in lockstep with the priors due at
+        ``index``; between the first phase (boundary-parameter gradients at their owners) and the optimizer
+        step, the optional gradient diagnostic and, at a cycle's start, the anchor circuit's pass on the weights
+        this update's forward used, of the rows ``source.anchor_rows`` gives (the objective's). Returns the sum
+        over replicas of their summed microbatch losses."""
         for rk in self.all_ranks():
-            rk.begin_step(self.step_index)
-        loss = self.forward_backward(batches)
-        priors = self.anchor.due(self.step_index) if self.anchor is not None else []
+            rk.begin_step(index)
+        total = self.run_schedules(ctxs)
+        priors = self.anchor.due(index) if self.anchor is not None else []
         self.priors_consumed += len(priors)
-        lr, mix = self.lr_at(self.step_index), self.cfg.anchor.mix
-        phases = [rk.phases(self.step_index, lr, [p.grads[rk.index] for p in priors], mix) for rk in self.all_ranks()]
+        phases = [rk.phases(index, lr, [p.grads[rk.index] for p in priors], self.cfg.anchor.mix)
+                  for rk in self.all_ranks()]
         drive_lockstep(ph[0] for ph in phases)        # boundary-parameter gradients reach their owners
         every = self.cfg.diag.every
-        self.last_diagnostics = (gradient_diagnostics(self, batches[0])
-                                 if every and self.step_index % every == 0 else None)
-        self.run_anchor(anchor_batch)      # snapshot w_t: the weights this step's forward used
+        self.last_diagnostics = gradient_diagnostics(self, ctxs[0]) if every and index % every == 0 else None
+        if self.anchor is not None and self.anchor.starts_at(index):  # snapshot w_t: this update's forward's weights
+            rows = source.anchor_rows(index, ctxs)
+            if not source.anchor_local:  # they travel with each stage's pull, as on the real mesh
+                self.meter.add("anchor", sum(t.nbytes for t in rows.values()) * self.cfg.mesh.pp)
+            self.anchor.run_cycle(index, self.replicas[0], anchor_contexts(self.cfg, rows, index,
+                                                                           self.anchor.replica_tag, self.device),
+                                  self.cfg.mesh.dp)
         for i in range(1, len(phases[0])):
             drive_lockstep(ph[i] for ph in phases)
         self.last_grad_norm = self.ranks[0][0].last_grad_norm
+        return total
+
+    def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
+        """One SFT step of every rank on one batch per replica (tests and benchmarks; a run's step is
+        ``objective/sft.py``'s through ``update``); returns the mean over replicas of the training loss."""
+        ctxs = {r: make_contexts(to_device(b, self.device), self.cfg.train.microbatches, self.step_index, r)
+                for r, b in enumerate(batches)}
+        loss = self.update(self.step_index, self.lr_at(self.step_index), ctxs, _AnchorBatch(anchor_batch))
+        loss /= len(batches)
         self.step_index += 1
         return loss
 
@@ -235,3 +254,17 @@ class SimMesh:
                 payload = b.owner_params()       # the receiver's copy equals the restored owner's
                 if payload is not None:
                     b.receiver_load_params(payload)
+
+
+class _AnchorBatch:
+    """``train_step``'s anchor rows: the batch a test hands it (SFT: the anchor's own shard)."""
+
+    anchor_local = True
+
+    def __init__(self, batch: dict | None):
+        self.batch = batch
+
+    def anchor_rows(self, index, ctxs):
+        if self.batch is None:
+            raise ValueError("the anchor circuit starts a cycle at this step but got no batch")
+        return self.batch

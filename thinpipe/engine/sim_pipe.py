@@ -1,18 +1,16 @@
-"""The simulation's ``Pipe`` (``rank/pipe.py``): every replica's ranks of a ``SimMesh`` over its mailbox.
+"""The simulation's ``Pipe`` (``objective/pipe.py``): every replica's ranks of a ``SimMesh`` over its mailbox.
 
 Forward-only passes and updates run through the ranks' own ``StageWorker``s (the training forward: the
-numbers an update's forward computes), an update's phases in lockstep on every rank as ``SimMesh.train_step``
-runs them; generation drives every rank of a replica through ``rank/generation.py`` (``sim_generate.py``).
+numbers an update's forward computes); an update is ``SimMesh.update`` (the schedules, the phases in lockstep,
+the anchor circuit and the diagnostic); the held-out loss is replica 0's ``rank/passes.py: heldout_pass`` in
+lockstep; generation drives every rank of a replica through ``rank/generation.py`` (``sim_generate.py``).
 """
 
 from __future__ import annotations
 
-import torch
-
-from thinpipe.comm import drive_lockstep
 from thinpipe.engine.sim_generate import generate_on_mesh
 from thinpipe.engine.sim_mesh import SimMesh
-from thinpipe.rank.pipe import (
+from thinpipe.objective.pipe import (
     GENERATE_BATCH,
     eval_worker,
     forward_only,
@@ -20,11 +18,10 @@ from thinpipe.rank.pipe import (
     reference_worker,
     wants_reference,
 )
-from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
 
 
 class SimPipe:
-    holds_last = lead = True
+    holds_last = lead = measures = True
 
     def __init__(self, mesh: SimMesh, tokenizer):
         self.mesh, self.tokenizer = mesh, tokenizer
@@ -48,20 +45,11 @@ class SimPipe:
             replica]
         forward_only(forward_order(self.mesh.cfg.mesh.pp, len(ctxs)), workers, ctxs)
 
-    def update(self, index, lr, ctxs):
-        mesh, pp = self.mesh, self.mesh.cfg.mesh.pp
-        for rk in mesh.all_ranks():
-            rk.begin_step(index)
-        total = 0.0
-        with torch.enable_grad():
-            for r, rows in ctxs.items():
-                execute(serial_order(SCHEDULES[mesh.cfg.train.schedule](pp, len(rows))), mesh.workers[r], rows)
-                total += sum(mesh.workers[r][pp - 1].losses)
-        phases = [rk.phases(index, lr, [], 0.0) for rk in mesh.all_ranks()]
-        for i in range(len(phases[0])):
-            drive_lockstep(ph[i] for ph in phases)
-        mesh.last_grad_norm = mesh.ranks[0][0].last_grad_norm
-        return total
+    def update(self, index, lr, ctxs, source):
+        return self.mesh.update(index, lr, ctxs, source)
+
+    def heldout(self, batches):
+        return [self.mesh.eval_loss(b) for b in batches]
 
     def sum_stats(self, values):
         return list(values)

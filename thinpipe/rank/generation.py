@@ -47,6 +47,7 @@ from thinpipe.data.loader import derive_seed
 from thinpipe.eval.generative import truncate_at_stop
 from thinpipe.placement import autocast, device_of
 from thinpipe.rank.context import MicrobatchContext
+from thinpipe.rank.passes import eval_boundary
 
 
 @dataclass
@@ -299,3 +300,23 @@ def pad_id_of(tokenizer, sampling: Sampling) -> int:
     if pad is None:
         pad = sampling.eos_ids[0] if sampling.eos_ids else getattr(tokenizer, "eos_token_id", None)
     return int(pad) if pad is not None else 0
+
+
+BOUNDARY_CHOICES = ("dense", "train")
+
+
+def pick_boundary(b, boundaries: str):
+    """The boundary a generation pass goes through, for ``boundaries`` = dense | train."""
+    if boundaries not in BOUNDARY_CHOICES:
+        raise ConfigError(f"boundaries must be one of {', '.join(BOUNDARY_CHOICES)}, got {boundaries!r}")
+    if b is None:
+        return None
+    return eval_boundary(b) if boundaries == "dense" else b
+
+
+def chunks(n: int, batch_size: int | None) -> list[slice]:
+    """Slices of ``n`` prompts, at most ``batch_size`` each (None: one)."""
+    if batch_size is not None and batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+    size = n if batch_size is None else batch_size
+    return [slice(i, i + size) for i in range(0, n, max(size, 1))]

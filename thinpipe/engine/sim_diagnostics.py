@@ -2,8 +2,9 @@
 the masked gradient back towards the clean one?).
 
 At a diagnostic step, replica 0's masked gradient (already in ``.grad``) is compared with the clean
-gradient of the *same* batch at the *same* weights, computed by one extra pass through dense
-boundaries; the masked gradient is then put back untouched. Reported:
+gradient of the *same* contexts (the same rows and loss: any objective's) at the *same* weights, computed
+by one extra pass through dense boundaries; the masked gradient is then put back untouched. A measurement
+of the simulation alone (``SimMesh.update`` runs it): it needs every stage's two gradients in one place. Reported:
   cos_mask_clean      cosine(masked, clean) over the spectrally filtered matrices
   cos_blend_clean     cosine(alpha masked + (1-alpha) filtered, clean) over the same matrices
   filt_norm_ratio     ||filtered|| / ||masked|| over the same matrices
@@ -14,12 +15,13 @@ The paper's mechanism needs cos_blend_clean > cos_mask_clean.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from thinpipe.boundary import Boundary
 from thinpipe.optim.spectral import blend, filter_weights, is_filtered, spectral_filter
-from thinpipe.placement import to_device
-from thinpipe.rank.context import make_contexts
+from thinpipe.rank.context import MicrobatchContext
 from thinpipe.rank.worker import StageWorker
 
 DIAG_TAG = -1
@@ -38,8 +40,9 @@ def _stash(stages):
 
 
 @torch.enable_grad()
-def clean_gradient(mesh, batch: dict) -> list[dict[str, torch.Tensor]]:
-    """Replica 0's unmasked gradient on ``batch`` at its current weights; leaves .grad as it was."""
+def clean_gradient(mesh, ctxs: list[MicrobatchContext]) -> list[dict[str, torch.Tensor]]:
+    """Replica 0's unmasked gradient on the rows of ``ctxs`` at its current weights; leaves .grad as it was
+    (and ``ctxs``' stats: the pass runs on copies)."""
     stages = mesh.replicas[0]
     masked = _stash(stages)
     for st in stages:
@@ -49,7 +52,7 @@ def clean_gradient(mesh, batch: dict) -> list[dict[str, torch.Tensor]]:
     workers = [StageWorker(st, DIAG_TAG, dense[s - 1] if s else None, dense[s] if s < len(stages) - 1 else None,
                            mesh.mailbox, mesh.compute_dtype) for s, st in enumerate(stages)]
     meter_before = mesh.meter.snapshot()
-    for ctx in make_contexts(to_device(batch, mesh.device), mesh.cfg.train.microbatches, mesh.step_index, 0):
+    for ctx in (dataclasses.replace(c, extras=dict(c.extras), stats={}) for c in ctxs):
         for w in workers:
             w.forward(ctx)
         for w in reversed(workers):
@@ -63,8 +66,8 @@ def clean_gradient(mesh, batch: dict) -> list[dict[str, torch.Tensor]]:
     return clean
 
 
-def gradient_diagnostics(mesh, batch: dict) -> dict:
-    clean = clean_gradient(mesh, batch)
+def gradient_diagnostics(mesh, ctxs: list[MicrobatchContext]) -> dict:
+    clean = clean_gradient(mesh, ctxs)
     stages, opts = mesh.replicas[0], mesh.optimizers[0]
     all_m, all_c, fm, fc, fb, ff = [], [], [], [], [], []
     above: list[int] = []

@@ -1,8 +1,10 @@
-"""What an objective after SFT asks of the pipelines a process drives (``rank/gspo.py``, ``rank/dpo.py``).
+"""What an objective (``objective/base.py``: SFT, DPO, GSPO) asks of the pipelines a process drives.
 
-One objective step is written once over this interface; the simulation implements it over every replica's
-ranks and its mailbox (``engine/sim_pipe.py``), a rank of the real mesh over its own stage and transports
-(``engine/dist_pipe.py``), as the SFT step is written once in ``StageRank`` (docs/architecture.md).
+Every objective's step is written once over this interface; each engine implements it once: the simulation over
+every replica's ranks and its mailbox (``engine/sim_pipe.py``), a rank of the real mesh (and of an elastic
+replica) over its own stage and transports (``engine/dist_pipe.py``). An update is the one place a step is put
+together per transport: the pipeline schedule, the anchor circuit's pull and priors, the optional gradient
+diagnostic (simulation), and every phase of ``StageRank`` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Protocol
 import torch
 
 from thinpipe.boundary import Boundary
+from thinpipe.comm.header import PayloadError
 from thinpipe.rank.context import MicrobatchContext, positions_and_mask
 from thinpipe.rank.passes import eval_boundary
 from thinpipe.rank.schedule import execute
@@ -22,8 +25,11 @@ GENERATE_BATCH = 32  # sequences per generation pass (held-out prompts come in h
 
 
 class Pipe(Protocol):
-    replicas: list[int]   # the fast replicas whose pipelines this process drives (simulation: all; a rank: its own)
+    replicas: list[int]   # the fast replicas whose pipelines this process drives (simulation: all; a rank: its own,
+    #                       an elastic replica's: its replica of the job), whose data shards it trains on
     holds_last: bool      # this process holds those replicas' last stage (it sees their logits)
+    measures: bool        # this process takes part in the held-out measure (replica 0's pipeline; every elastic
+    #                       replica measures its own)
     lead: bool            # this process writes the run folder (shows progress)
     device: torch.device  # where this process's stages compute (contexts are built there)
 
@@ -42,10 +48,17 @@ class Pipe(Protocol):
         ``ctx.loss_fn`` records."""
         ...
 
-    def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]]) -> float:
+    def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]], source) -> float:
         """One optimizer update: every replica's forward and backward of its ``ctxs`` (the schedule over
-        ``len(ctxs)`` microbatches), then every phase of ``StageRank`` at update ``index``. Returns the sum over
-        this process's replicas of their summed microbatch losses (0 where it holds no last stage)."""
+        ``len(ctxs)`` microbatches), then every phase of ``StageRank`` at update ``index`` with the anchor priors
+        due at it. With an anchor circuit, a cycle that starts at ``index`` runs on the weights this update's
+        forward used, on the rows ``source.anchor_rows(index, ctxs)`` gives (``source``: the objective). Returns
+        the sum over this process's replicas of their summed microbatch losses (0 where it holds no last stage)."""
+        ...
+
+    def heldout(self, batches) -> list[tuple[float, int]]:
+        """Replica 0's held-out next-token loss of each batch (sum, tokens), through dense boundaries unless part
+        of the model (``rank/passes.py: heldout_pass``); where this process holds no last stage, nothing."""
         ...
 
     def sum_stats(self, values: list[float]) -> list[float]:
@@ -81,8 +94,57 @@ def chunk_contexts(batch: dict, rows: int, step: int, replica: int, loss_scale: 
                             for k in ("input_ids", "labels", "segment_ids"))
         pos, mask = positions_and_mask(seg)
         keys = row_keys[sl] if row_keys is not None else None
-        out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, loss_scale, row_keys=keys))
+        out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, loss_scale, row_keys=keys,
+                                     extras={"segment_ids": seg}))
     return out
+
+
+ROW_KEYS = ("input_ids", "labels", "segment_ids")
+
+
+def pack_rows(ctxs: list[MicrobatchContext], per_row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The rows of ``ctxs`` (contexts of ``chunk_contexts``, one loss scale) as named tensors on the host: what the
+    anchor circuit's pass needs of an update of DPO or GSPO (``per_row``: the objective's per-row tensors, first
+    dimension the rows'), to rebuild it with ``unpack_rows``; a pull carries them on the real mesh."""
+    out = {k: torch.cat([c.input_ids if k == "input_ids" else c.labels if k == "labels" else c.extras[k]
+                         for c in ctxs]).cpu() for k in ROW_KEYS}
+    out["rows_per_microbatch"] = torch.tensor([ctxs[0].input_ids.shape[0]], dtype=torch.int64)
+    # the float64 scale's bits (float64 never crosses a link as a float: comm/header.py), exact on arrival
+    out["loss_scale"] = torch.tensor([ctxs[0].loss_scale], dtype=torch.float64).view(torch.int64)
+    return {**out, **{k: v.detach().cpu() for k, v in per_row.items()}}
+
+
+def unpack_rows(rows: dict[str, torch.Tensor], index: int, tag: int, device, loss_fn) -> list[MicrobatchContext]:
+    """``pack_rows``' contexts again, for update ``index`` of replica ``tag`` (the anchor's), ``loss_fn`` their
+    loss: every per-row tensor is in each context's ``extras``, sliced to its rows."""
+    n, per = rows["input_ids"].shape[0], int(rows["rows_per_microbatch"][0])
+    batch = {k: rows[k] for k in ROW_KEYS}
+    ctxs = chunk_contexts(batch, per, index, tag, float(rows["loss_scale"].view(torch.float64)[0]), device=device)
+    extra = [k for k in rows if k not in (*ROW_KEYS, "rows_per_microbatch", "loss_scale")]
+    for c, start in zip(ctxs, range(0, n, per)):
+        c.loss_fn = loss_fn
+        c.extras.update({k: rows[k][start:start + per].to(device) for k in extra})
+    return ctxs
+
+
+def check_rows(rows: dict[str, torch.Tensor], per_row: tuple[str, ...], max_rows: int, seq_len: int,
+               vocab: int) -> None:
+    """Refuse rows a peer sent that are not what ``pack_rows`` writes (``comm/header.py`` bounded their bytes
+    before they were allocated; this checks their meaning before anything indexes with them)."""
+    want = {*ROW_KEYS, "rows_per_microbatch", "loss_scale", *per_row}
+    if set(rows) != want:
+        raise PayloadError(f"anchor rows: got {sorted(rows)}, expected {sorted(want)}")
+    ids = rows["input_ids"]
+    n, t = ids.shape if ids.dim() == 2 else (0, 0)
+    per = int(rows["rows_per_microbatch"][0]) if rows["rows_per_microbatch"].numel() == 1 else 0
+    scale = rows["loss_scale"]
+    if not (0 < n <= max_rows and 0 < t <= seq_len and 0 < per and n % per == 0 and ids.dtype == torch.int64
+            and all(rows[k].shape == ids.shape and rows[k].dtype == torch.int64 for k in ("labels", "segment_ids"))
+            and all(rows[k].shape[:1] == (n,) and rows[k].dtype == torch.float32 for k in per_row)
+            and scale.shape == (1,) and scale.dtype == torch.int64 and rows["rows_per_microbatch"].dtype == torch.int64
+            and int(ids.min()) >= 0 and int(ids.max()) < vocab and int(rows["labels"].max()) < vocab):
+        raise PayloadError(f"anchor rows: {n} rows of {t} tokens in microbatches of {per} do not fit this run "
+                           f"(at most {max_rows} rows of {seq_len} tokens, token ids below {vocab})")
 
 
 def forward_order(num_stages: int, microbatches: int, stages: list[int] | None = None) -> list:

@@ -1,5 +1,5 @@
 """DPO on the mesh (anchor-priors App. D; Rafailov et al. 2023), one step written once over a ``Pipe``
-(``rank/pipe.py``: the simulation's replicas, or one rank of the real mesh).
+(``objective/pipe.py``: the simulation's replicas, or one rank of the real mesh).
 
 Rows come in pairs (row 2i chosen, 2i + 1 rejected: ``data/preferences.py``) and a microbatch holds whole
 pairs, so each pair's loss is computed where both its sequences are: a sequence's log-prob is the sum over its
@@ -15,8 +15,8 @@ import torch
 
 from thinpipe.data.preferences import pair_batches
 from thinpipe.objective.losses import dpo_loss, response_logprobs
+from thinpipe.objective.pipe import Pipe, chunk_contexts, pack_rows, trim_padding, unpack_rows
 from thinpipe.rank.from_config import lr_at
-from thinpipe.rank.pipe import Pipe, chunk_contexts, trim_padding
 
 STATS = ("pairs", "loss_sum", "margin_sum", "wins", "tokens")
 
@@ -25,6 +25,36 @@ def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """(B,) sum over each row's completion tokens of log p(token | prefix)."""
     logp, _ = response_logprobs(logits, labels)
     return logp.sum(-1)
+
+
+def anchor_loss(cfg):
+    """The DPO loss of the anchor's pass (``anchor_rows``): the same loss as an update's, with each sequence's
+    reference log-prob carried in its row."""
+    beta = cfg.dpo.beta
+
+    def loss(logits, ctx):
+        seq, ref = sequence_logprobs(logits, ctx.labels), ctx.extras["ref"].to(logits.device)
+        losses, _, _ = dpo_loss(seq[0::2], seq[1::2], ref[0::2], ref[1::2], beta)
+        return losses.sum() * ctx.loss_scale
+
+    return loss
+
+
+def anchor_contexts(cfg, rows, index, tag, device):
+    """The anchor circuit's pass of ``Dpo.anchor_rows``, in whichever process runs it."""
+    return unpack_rows(rows, index, tag, device, anchor_loss(cfg))
+
+
+def anchor_per_row(cfg) -> tuple[str, ...]:
+    return ("ref",)
+
+
+def anchor_max_rows(cfg) -> int:
+    return 2 * cfg.train.batch_size  # a replica's pairs of a step, both sequences
+
+
+def build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica) -> "Dpo":
+    return Dpo(cfg, pipe, train_ds, val_ds)
 
 
 class Dpo:
@@ -56,7 +86,7 @@ class Dpo:
             out.append({"stats": c.stats, "seq": c.extras.get("seq")})
         return out
 
-    def compute_reference(self) -> None:
+    def start(self) -> None:
         """The starting weights' sequence log-probs of every training and held-out pair: the replica of this
         process (replica 0 in the simulation, where every replica starts from the same weights)."""
         def record(logits, ctx):
@@ -110,12 +140,21 @@ class Dpo:
                 c.extras["real_tokens"] = int((batch["segment_ids"][rows_of] >= 0).sum())
                 c.loss_fn = self._loss_fn("train")
             ctxs[r] = rows
-        pipe.update(step, lr_at(cfg, step), ctxs)
+        pipe.update(step, lr_at(cfg, step), ctxs, self)
         total = dict(zip(STATS, pipe.sum_stats(self._sums([c.stats for rows in ctxs.values() for c in rows]))))
         n = max(total["pairs"], 1.0)
         self.tokens += int(total["tokens"])
         self.last = {"dpo_margin": total["margin_sum"] / n, "dpo_accuracy": total["wins"] / n}
         return total["loss_sum"] / n
+
+    anchor_local = False  # the anchor trains on replica 0's pairs of the update: they travel with the pull
+
+    def anchor_rows(self, index, ctxs):
+        """Replica 0's pairs of the update and each sequence's reference log-prob (chosen, rejected alternate as
+        the rows do; zeros where this process holds no last stage, whose loss alone reads them)."""
+        ref = [self.ref["train"][c.extras["pair_ids"].cpu()].reshape(-1) if self.pipe.holds_last else
+               torch.zeros(2 * c.extras["pair_ids"].numel()) for c in ctxs[0]]
+        return pack_rows(ctxs[0], {"ref": torch.cat(ref).float()})
 
     def _sums(self, stats: list[dict]) -> list[float]:
         """This process's sums of ``STATS`` over forwards' stats (zeros where it holds no last stage)."""
@@ -125,7 +164,7 @@ class Dpo:
 
     def validation(self) -> float:
         """The DPO loss on the held-out pairs (replica 0; eval boundaries, as the SFT held-out loss)."""
-        done = self._pass(self.val_ds, 0, self._loss_fn("val"), 0) if 0 in self.pipe.replicas else []
+        done = self._pass(self.val_ds, self.pipe.replicas[0], self._loss_fn("val"), 0) if self.pipe.measures else []
         total = dict(zip(STATS, self.pipe.sum_stats(self._sums([d["stats"] for d in done]))))
         return total["loss_sum"] / max(total["pairs"], 1.0)
 
@@ -135,7 +174,7 @@ class Dpo:
     def state_dict(self) -> dict:
         return {"reference": dict(self.ref), "tokens": self.tokens}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, step: int) -> None:
         self.ref = {k: v.float() for k, v in state["reference"].items()}
         self.tokens = int(state.get("tokens", 0))
         self.restart_streams()

@@ -1,5 +1,5 @@
 """GSPO with verifiable rewards on the mesh (anchor-priors App. D; Zheng et al. 2025, GSPO), one step written
-once over a ``Pipe`` (``rank/pipe.py``: the simulation's replicas, or one rank of the real mesh).
+once over a ``Pipe`` (``objective/pipe.py``: the simulation's replicas, or one rank of the real mesh).
 
 A step, per fast replica: ``rl.prompts_per_step`` prompts from its shard, ``rl.group_size`` rollouts of each
 sampled on the mesh from the current weights (through dense boundaries, or the training ones), a math answer
@@ -28,10 +28,10 @@ from thinpipe.data.chat import resolve_chat_format, tokenize_messages
 from thinpipe.data.loader import derive_seed
 from thinpipe.data.prompts import prompt_batches
 from thinpipe.objective.losses import group_advantages, policy_loss, response_logprobs, token_entropy
+from thinpipe.objective.pipe import GENERATE_BATCH, Pipe, chunk_contexts, pack_rows, rollout_rows, unpack_rows
 from thinpipe.objective.rewards import math_reward, overlong_penalty
 from thinpipe.rank.from_config import lr_at
 from thinpipe.rank.generation import Sampling
-from thinpipe.rank.pipe import GENERATE_BATCH, Pipe, chunk_contexts, rollout_rows
 
 # what the last stages sum over a step, in this order (Pipe.sum_stats)
 STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_s", "clipped",
@@ -79,6 +79,40 @@ def rewards_of(texts: list[str], answers: list[str], lengths: list[int], rl) -> 
     shaped = torch.tensor([overlong_penalty(n, rl.max_response_tokens, rl.overlong_buffer, rl.overlong_penalty)
                            for n in lengths], dtype=torch.float64)
     return correct + shaped, correct
+
+
+def anchor_loss(cfg):
+    """GSPO's loss on-policy (the anchor's pass of ``Gspo.anchor_rows``): the importance ratio is 1 at the weights
+    it computes on (the fast step's snapshot w_t), so its gradient is the one the step's first update estimates
+    through the masks."""
+    rl = cfg.rl
+
+    def loss(logits, ctx):
+        logp, mask = response_logprobs(logits, ctx.labels)
+        ref = ctx.extras.get("ref_logp")
+        per_seq, _ = policy_loss(logp, logp.detach(), mask, ctx.extras["advantages"].to(logp.device), rl.clip_low,
+                                 rl.clip_high, rl.ratio_level, None if ref is None else ref.to(logp.device),
+                                 rl.kl_beta)
+        return per_seq.sum() * ctx.loss_scale
+
+    return loss
+
+
+def anchor_contexts(cfg, rows, index, tag, device):
+    """The anchor circuit's pass of ``Gspo.anchor_rows``, in whichever process runs it."""
+    return unpack_rows(rows, index, tag, device, anchor_loss(cfg))
+
+
+def anchor_per_row(cfg) -> tuple[str, ...]:
+    return ("advantages", "ref_logp") if cfg.rl.kl_beta > 0 else ("advantages",)
+
+
+def anchor_max_rows(cfg) -> int:
+    return cfg.rl.sequences // cfg.rl.minibatches  # a replica's sequences of one update
+
+
+def build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica) -> "Gspo":
+    return Gspo(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica)
 
 
 class Gspo:
@@ -187,7 +221,7 @@ class Gspo:
             for rows in mine.values():
                 for i, c in enumerate(rows):
                     c.microbatch = i  # a worker keys its saved tensors by the microbatch of the update
-            losses.append(pipe.update(step * rl.minibatches + m, lr_at(cfg, step), mine))
+            losses.append(pipe.update(step * rl.minibatches + m, lr_at(cfg, step), mine, self))
             if pipe.holds_last:
                 for rows in mine.values():
                     for c in rows:
@@ -203,6 +237,20 @@ class Gspo:
         self.last = metrics_of(total)
         return self.last.pop("_loss")
 
+    def start(self) -> None:
+        pass
+
+    anchor_local = False  # the anchor trains on replica 0's rollouts of the update: they travel with the pull
+
+    def anchor_rows(self, index, ctxs):
+        """Replica 0's rollouts of the update with their advantages (and reference log-probs with the KL; zeros
+        where this process holds no last stage, whose loss alone reads them)."""
+        rows = ctxs[0]
+        per_row = {"advantages": torch.cat([c.extras["advantages"] for c in rows]).float()}
+        if self.cfg.rl.kl_beta > 0:
+            per_row["ref_logp"] = torch.cat([c.extras["ref_logp"] for c in rows]).float()
+        return pack_rows(rows, per_row)
+
     def residual_batches(self) -> list[dict]:
         """What a data-driven boundary start (outlier channels, MAPL's PCA start) computes on: training prompts."""
         n, ds = self.cfg.train.batch_size, self.train_ds
@@ -215,14 +263,14 @@ class Gspo:
         """Greedy accuracy of replica 0 on the held-out prompts (dense boundaries unless part of the model)."""
         ds = self.val_ds
         mine = [0.0, 0.0]
-        if 0 in self.pipe.replicas and len(ds):
+        if self.pipe.measures and len(ds):
             greedy = Sampling(max_new_tokens=self.cfg.rl.max_response_tokens, temperature=0.0, eos_ids=self.eos_ids)
             responses = []
             # hundreds of prompts take minutes on a CPU: a bar on the lead's terminal (none when not a TTY)
             for start in tqdm(range(0, len(ds), GENERATE_BATCH), desc="held-out", unit="batch", leave=False,
                               file=sys.stderr, disable=None if self.pipe.lead else True):
-                responses += self.pipe.generate(0, list(ds.prompts[start:start + GENERATE_BATCH]), greedy, "dense",
-                                                None, 0, None)
+                prompts = list(ds.prompts[start:start + GENERATE_BATCH])
+                responses += self.pipe.generate(self.pipe.replicas[0], prompts, greedy, "dense", None, 0, None)
             texts = self._texts(responses)
             if self.pipe.holds_last:
                 mine = [sum(math_reward(t, a) for t, a in zip(texts, ds.answers)), float(len(ds))]
@@ -235,7 +283,7 @@ class Gspo:
     def state_dict(self) -> dict:
         return {"tokens": self.tokens}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, step: int) -> None:
         self.tokens = int(state.get("tokens", 0))
         self.restart_streams()
 

@@ -1,0 +1,55 @@
+"""What an objective is to the engines (docs/architecture.md: one step path): SFT, DPO and GSPO implement it alike.
+
+An objective owns its data (streams per replica it drives, held-out rows), builds the microbatch contexts of a step
+(``rank/context.py``: ids, labels, and for DPO / GSPO the last stage's ``loss_fn`` and its per-row tensors), hands
+them to its ``Pipe`` (``objective/pipe.py``: one per engine, the only code that knows a transport) and turns what the
+last stages report into the step's loss and metrics. The engines call nothing else: no engine names an objective.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from thinpipe.rank.context import MicrobatchContext
+
+
+class Objective(Protocol):
+    val_key: str   # the held-out measure's metrics key: ``val_loss`` (SFT, DPO) or ``val_accuracy`` (GSPO)
+    tokens: int    # trained (non-padding for DPO / GSPO) tokens of every replica this process's pipe sums over
+
+    def start(self) -> None:
+        """Once, before the first step of a new run (never on a resume): state computed from the starting weights
+        (DPO's reference log-probs). Nothing for SFT and GSPO."""
+        ...
+
+    def residual_batches(self) -> list[dict]:
+        """The rows a data-driven boundary start (MAPL's PCA start, outlier channels) computes on."""
+        ...
+
+    def step(self, step: int) -> float:
+        """One training step through the pipe (its updates, anchor priors and all); the step's training loss,
+        the same number on every process."""
+        ...
+
+    anchor_local: bool  # the anchor circuit draws its rows from its own shard (SFT); else they travel with a pull
+
+    def anchor_rows(self, index: int, ctxs: dict[int, list[MicrobatchContext]]) -> dict:
+        """The rows of the anchor circuit's unmasked pass for a cycle that starts at update ``index`` (``ctxs``: the
+        update's contexts by replica), as named tensors: SFT's next batch of the anchor's own shard; DPO's and
+        GSPO's replica 0 rows of the update with what their loss reads per row. ``registry.anchor_contexts`` turns
+        them into the pass (in the simulation, or on an anchor rank after a pull carried them)."""
+        ...
+
+    def validation(self) -> float:
+        """The held-out measure (``val_key``), the same number on every process."""
+        ...
+
+    def metrics(self) -> dict:
+        """The objective's own metrics of the last step (rows' extra keys; SFT: none)."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, step: int) -> None:
+        """Restore what ``state_dict`` saved (``step``: the step trained next, where the data streams restart)."""
+        ...
