@@ -387,20 +387,20 @@ def test_a_whole_job_that_stopped_resumes_from_its_replicas_checkpoints_bitwise(
 def test_gspo_on_elastic_replicas_survives_a_kill_and_the_rejoined_replica_ends_equal(tmp_path):
     """GSPO through the one step path on torchft: 2 replicas x 2 stages, replica 1's stage 1 SIGKILLed mid-step at
     step 2; replica 0 trains every step to the end, replica 1 is restarted, heals from it (its objective's state
-    and data position too) and ends with its weights; rollouts are keyed by (seed, step, replica), so the rejoined
-    replica samples what it would have."""
+    and data position too: wherever the job is when it is back) and ends with its weights; rollouts are keyed by
+    (seed, step, replica), so the rejoined replica samples what it would have."""
     from tests.test_post_sft_train import gspo_sets, prompts_file
 
-    out, steps = tmp_path / "job", 40
+    out, steps = tmp_path / "job", 16
     sets = gspo_sets(prompts_file(tmp_path, n=200), **{"mesh.dp": 2, "train.steps": steps, "boundary.kind": "mask",
-                                                       "boundary.p": 0.5, "link.pp_mbps": 1})
+                                                       "boundary.p": 0.5})
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     p = run_job(["launch", "--elastic", "--max-restarts", "1", "--", "train", "--out", str(out), "--quiet", *args],
                 timeout=900, THINPIPE_ELASTIC_KILL="1:1:2")
     assert p.returncode == 0, p.stderr[-4000:]
     events = read_events(out)
     recovered = [e for e in events if e["event"] == "recovered"]
-    assert len(recovered) == 1 and 2 < recovered[0]["step"] < steps
+    assert len(recovered) == 1 and 2 <= recovered[0]["step"] < steps
     assert [r["step"] for r in rows(out / "replica0" / "metrics.jsonl")] == list(range(steps))
     back = rows(out / "replica1-restart1" / "metrics.jsonl")
     assert [r["step"] for r in back] == list(range(recovered[0]["step"], steps))

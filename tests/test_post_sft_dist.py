@@ -110,3 +110,28 @@ def test_a_diverged_gspo_run_rolls_back_on_real_processes_as_in_the_simulation(t
     assert summary["rollbacks"] == 1 and summary["steps"] == 5
     got = [json.loads(x) for x in (tmp_path / "dist" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in got] == list(range(5)) and got[3]["lr"] < got[1]["lr"]
+
+
+@pytest.mark.dist
+def test_a_diverged_anchor_run_rolls_back_on_real_processes_as_in_the_simulation(tmp_path, one_thread):  # noqa: F811
+    """SFT with the anchor circuit, a NaN loss at step 5: the fast ranks and the anchor row go back to step 4's
+    checkpoint together (pushes of the diverged trajectory are dropped, the anchor reloads its part), and every
+    row's loss, the held-out losses and the anchor totals equal the simulation's."""
+    args = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "mesh.pp=2",
+            "--set", "train.batch_size=2", "--set", "train.seq_len=32", "--set", "train.microbatches=2",
+            "--set", "train.steps=8", "--set", "train.checkpoint_every=2", "--set", "train.on_divergence=rollback",
+            "--set", "boundary.kind=mask", "--set", "boundary.p=0.9", "--set", "mesh.anchor=1",
+            "--set", "anchor.staleness=2", "--set", "anchor.push_rank=2", "--set", "eval.every=3"]
+    env = {"THINPIPE_TEST_NAN_AT_STEP": "5"}
+    sim = subprocess.run([sys.executable, "-m", "thinpipe", "train", "--out", str(tmp_path / "sim"), "--quiet", *args],
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True, timeout=300)
+    assert sim.returncode == 0, sim.stderr[-3000:]
+    r = launch(4, tmp_path / "dist", args, **env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rolled back to the checkpoint of step 4" in r.stderr
+    a, b = ([{k: v for k, v in json.loads(x).items() if k not in (*DROP, "anchor_bytes")}
+             for x in (f / "metrics.jsonl").read_text().splitlines()] for f in (tmp_path / "sim", tmp_path / "dist"))
+    assert a == b and [m["step"] for m in b] == list(range(8))
+    sa, sb = (json.loads((f / "summary.json").read_text()) for f in (tmp_path / "sim", tmp_path / "dist"))
+    keys = ("anchor_bytes", "priors_consumed", "final_val_loss", "val_points", "rollbacks")
+    assert {k: sa[k] for k in keys} == {k: sb[k] for k in keys} and sb["rollbacks"] == 1

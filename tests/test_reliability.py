@@ -60,16 +60,16 @@ def test_divergence_keeps_the_last_good_checkpoint_and_names_it(tmp_path, capsys
     and the one line says to resume from it."""
     from thinpipe.engine.sim_mesh import SimMesh
 
-    real = SimMesh.train_step
+    real = SimMesh.update
 
-    def poisoned(self, batches, anchor_batch=None):
-        loss = real(self, batches, anchor_batch)
-        if self.step_index == 4:  # after step 3
+    def poisoned(self, index, lr, ctxs, source=None):
+        loss = real(self, index, lr, ctxs, source)
+        if index == 3:  # step 3's update
             with torch.no_grad():
                 next(self.replicas[0][1].parameters()).fill_(float("nan"))
         return loss
 
-    monkeypatch.setattr(SimMesh, "train_step", poisoned)
+    monkeypatch.setattr(SimMesh, "update", poisoned)
     out = tmp_path / "d"
     code = main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=8",
                  "--set", "train.checkpoint_every=1", "--set", "train.keep_checkpoints=3"])

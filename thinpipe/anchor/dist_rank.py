@@ -26,7 +26,11 @@ every cycle queued before it, saves its part ``rank{r}`` of the set (cycles run:
 the PowerSGD push state; its byte meter) and acknowledges on the push link, and each fast rank takes
 pushes until that acknowledgement, so the priors of every pull before N are in its own part (arrived,
 not yet consumed) or consumed. Nothing is in flight in a set, and a resumed run continues bitwise
-(``fixed`` delivery). The fast circuit waits for the anchor's queued cycles once per checkpoint. An
+(``fixed`` delivery). The fast circuit waits for the anchor's queued cycles once per checkpoint.
+A rollback (``train.on_divergence = rollback``) to set N: fast replica 0 sends a ROLLBACK marker after
+its pulls; the anchor runs what was queued before it, loads its own part of set N and acknowledges on
+the push links; each fast rank drops every push before that acknowledgement (they belong to the
+diverged trajectory) and loads its part of N, so both circuits continue from N as the simulation does. An
 anchor rank that fails (an exception) logs it, sends the end message marked failed and leaves: the
 fast circuit continues without priors (the spectral filter keeps its last basis) and says so.
 """
@@ -43,7 +47,7 @@ import torch
 
 from thinpipe.anchor.anchor_pass import run_anchor_pass
 from thinpipe.anchor.codec import encode_push, load_pull, trained, wire_expect
-from thinpipe.checkpoint import prune, save_part, step_dir
+from thinpipe.checkpoint import load_part, prune, save_part, step_dir
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.header import Expect
 from thinpipe.comm.payload import Payload
@@ -57,6 +61,7 @@ from thinpipe.rank.schedule import SCHEDULES
 STOP = -1
 CYCLE = Expect.exactly({"step": ((1,), torch.int64)})  # an anchor stage's cycle message to the next
 CHECKPOINT = -2  # pull-link marker: save the anchor's part of set ``at`` after every earlier pull, then acknowledge
+ROLLBACK = -3    # pull-link marker: after every earlier pull, load the anchor's part of set ``at``, then acknowledge
 
 
 def step_of(payload: Payload) -> int:
@@ -110,13 +115,13 @@ class AnchorStageRank:
         return item
 
     def _pull_of(self, step: int) -> Payload:
-        """The pull of ``step`` or the CHECKPOINT marker (older pulls were skipped by stage 0's choice)."""
+        """The pull of ``step`` or a marker (older pulls were skipped by stage 0's choice)."""
         while True:
             item = self._next_pull(newest=False)
             s = step_of(item)
             if s == step or s == STOP:
                 return item
-            if step != CHECKPOINT and (s > step or s == CHECKPOINT):
+            if step >= 0 and (s > step or s < 0):
                 raise RuntimeError(f"anchor stage {self.stage.index}: cycle {step} was chosen but its pull is missing")
 
     # checkpoints (module docstring) ---------------------------------------------------------------
@@ -136,6 +141,19 @@ class AnchorStageRank:
         for r in range(self.layout.dp):
             self.push_transport.send(Push(r, self.stage.index), Payload({"step": torch.tensor([CHECKPOINT]),
                                                                          "at": torch.tensor([at])}), None)
+        self.push_transport.flush()
+
+    def _rollback(self, marker: Payload) -> None:
+        """The fast circuit rolled back to the checkpoint of step ``at`` (``train.on_divergence = rollback``):
+        every cycle queued before the marker has run (its pushes are dropped by the fast ranks), this rank goes
+        back to its part of that set (its data position, the push's error feedback, its byte meter), then
+        acknowledges on every push link."""
+        at = int(marker.tensors["at"][0])
+        state = load_part(step_dir(self.folder, at), f"rank{self.rank}")
+        self.load_state_dict(state["anchor_rank"], state["bytes"])
+        for r in range(self.layout.dp):
+            self.push_transport.send(Push(r, self.stage.index), Payload({"step": torch.tensor([ROLLBACK]),
+                                                                         "n": marker.tensors["n"]}), None)
         self.push_transport.flush()
 
     def state_dict(self) -> dict:
@@ -184,6 +202,9 @@ class AnchorStageRank:
                     break
                 if step == CHECKPOINT:
                     self._checkpoint(pull)
+                    continue
+                if step == ROLLBACK:
+                    self._rollback(pull)
                     continue
                 if self.cycles == fault_at_cycle:
                     raise RuntimeError(f"THINPIPE_FAULT_ANCHOR_AT_CYCLE: injected anchor fault at cycle {self.cycles}")

@@ -12,7 +12,7 @@ import torch
 
 from thinpipe.anchor.anchor_pass import staleness_stats
 from thinpipe.anchor.codec import decode_push, encode_pull, trained, wire_expect
-from thinpipe.anchor.dist_rank import CHECKPOINT, STOP, step_of
+from thinpipe.anchor.dist_rank import CHECKPOINT, ROLLBACK, STOP, step_of
 from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import Pull, Push
@@ -50,6 +50,8 @@ class AnchorFeed:
         self.wait_s = 0.0
         self.pulls_skipped = 0
         self.acked = -1  # the newest checkpoint step the anchor has acknowledged
+        self.rollbacks = 0  # rollbacks asked of the anchor, and the newest it has acknowledged
+        self.rolled_back = 0
         self._thread = threading.Thread(target=self._receive, name="thinpipe-anchor-push", daemon=True)
         self._thread.start()
 
@@ -119,11 +121,17 @@ class AnchorFeed:
         if step == CHECKPOINT:
             self.acked = int(item.tensors["at"][0])
             return True
+        if step == ROLLBACK:
+            self.rolled_back = int(item.tensors["n"][0])
+            self.ready = []  # what arrived before belongs to the diverged trajectory
+            return True
         if step == STOP:
             t = item.tensors
             self.anchor_bytes = {a_: int(v) for a_, v in zip(AXES, t["bytes"].tolist())}
             self._end(failed=bool(t["failed"][0]), why="it raised an error (see its rank's log)")
             return False
+        if self.rolled_back < self.rollbacks:
+            return True  # a push of the diverged trajectory: dropped
         self.ready.append(Arrived(step, decode_push(item.tensors, self.like, self.push_rank)))
         return True
 
@@ -170,6 +178,23 @@ class AnchorFeed:
             self._take(block=True)
         self.wait_s += time.perf_counter() - t0
         return self.state_dict()
+
+    def rollback(self, step: int) -> None:
+        """Back to the checkpoint of ``step`` (``dist_rank.py``'s module docstring): replica 0 sends the marker
+        after its pulls; every replica drops pushes until the anchor's acknowledgement. The caller then loads
+        this rank's part (``load_state_dict``)."""
+        self.rollbacks += 1
+        t0 = time.perf_counter()
+        if self.replica == 0:
+            while self._take(block=False):
+                pass
+            if not self.ended:
+                self.flush()
+                self._send_pull({"step": torch.tensor([ROLLBACK]), "at": torch.tensor([step]),
+                                 "n": torch.tensor([self.rollbacks])}, None)
+        while not self.ended and self.rolled_back < self.rollbacks:
+            self._take(block=True)
+        self.wait_s += time.perf_counter() - t0
 
     def state_dict(self) -> dict:
         return {"ready": [(a.produced_step, a.grads) for a in self.ready], "staleness_seen": list(self.staleness_seen),

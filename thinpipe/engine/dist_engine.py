@@ -87,6 +87,7 @@ class DistEngine:
         self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
         self._complete = -1  # the newest checkpoint set every rank holds
         self._fault_at = fault_at_step()  # crash-recovery tests only (thinpipe/faults.py)
+        self._trained = False  # a load after a step is a rollback
         # train.objective's step over this rank (objective/registry.py)
         self.pipe = DistPipe(self, r.tokenizer)
         self.objective = make_objective(cfg, self.pipe, r.train_ds, r.val_ds, r.tokenizer, [r.bounds])
@@ -134,6 +135,7 @@ class DistEngine:
         if step == self._fault_at:
             raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
         loss = self.objective.step(step)
+        self._trained = True
         self.record_step()
         self.step_index = step + 1
         return loss
@@ -211,9 +213,13 @@ class DistEngine:
         prune(folder, self.cfg.train.keep_checkpoints, [part])
 
     def load(self, folder: Path) -> tuple[int, dict]:
-        step, state = agreed_set(folder, self.rank, self.world_size)
+        # a rollback (after a step) agrees among the fast ranks; a resume among every rank, the anchor's too
+        step, state = (agreed_set(folder, self.rank, self.world_size, self.groups.fast, self.layout.dp * self.layout.pp)
+                       if self._trained else agreed_set(folder, self.rank, self.world_size))
         self.step_index, self._complete = state["step"], step
         if self.feed is not None:
+            if self._trained:  # a rollback: the anchor circuit goes back to this set too
+                self.feed.rollback(step)
             self.feed.load_state_dict(state["anchor"])
         for b in (self.in_b, self.out_b):
             if b is not None:

@@ -38,9 +38,6 @@ KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ran
 
 
 def check_supported(cfg: Config) -> None:
-    if cfg.mesh.anchor and cfg.train.on_divergence == "rollback":
-        raise ConfigError("--engine dist cannot roll back a run with an anchor circuit yet (its ranks would keep the "
-                          "diverged weights' priors): set train.on_divergence = stop, or roll back in the simulation")
     if cfg.diag.every:
         raise ConfigError("--engine dist does not compute gradient diagnostics: set diag.every = 0")
 
@@ -100,14 +97,17 @@ def anchor_rank(r: RankSetup, folder: Path) -> AnchorStageRank:
                              folder)
 
 
-def agreed_set(folder: Path, rank: int, world_size: int) -> tuple[int, dict]:
+def agreed_set(folder: Path, rank: int, world_size: int, group=None, members: int | None = None) -> tuple[int, dict]:
     """(step, this rank's state) of the newest set whose part verifies on every rank of the job, the
-    anchor's included (one collective over all ranks: each reports its newest verified steps)."""
+    anchor's included (one collective over all ranks: each reports its newest verified steps). A rollback
+    agrees over the fast ranks alone (``group``, of ``members`` ranks): the anchor ranks are busy with their
+    cycles, and a set the fast ranks completed holds the anchor's parts (they are written before the fast
+    ranks' barrier)."""
     mine = [s for s, f in sets(folder) if verifies(f, [f"rank{rank}"])][:KEEP_LISTED]
     t = torch.full((KEEP_LISTED,), -1, dtype=torch.int64)
     t[:len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    out = [torch.empty_like(t) for _ in range(world_size)]
-    dist.all_gather(out, t)
+    out = [torch.empty_like(t) for _ in range(members or world_size)]
+    dist.all_gather(out, t, group=group)
     common = set.intersection(*({int(x) for x in o.tolist()} for o in out)) - {-1}
     if not common:
         refuse_legacy(folder)

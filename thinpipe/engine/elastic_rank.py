@@ -243,8 +243,11 @@ class ElasticEngine(DistEngine):
                 "boundaries": {b.index: held_state(b.state_dict()) for b in (self.in_b, self.out_b) if b is not None}}
 
     def _peer_state(self) -> dict:
-        """What this rank sends a replica that joins (torchft calls it while the quorum forms)."""
-        return {**self._state(), "members": list(self._members), "job_bytes": dict(self._job_bytes),
+        """What this rank sends a replica that joins (torchft calls it while the quorum forms): its committed
+        state. After a step that did not commit, that is the snapshot taken before it, which this rank applies
+        only once the quorum has formed (``at_step``): its live weights hold the uncommitted update."""
+        committed = self._restore if self._restore is not None else self._state()
+        return {**committed, "members": list(self._members), "job_bytes": dict(self._job_bytes),
                 "job_tokens": self._job_tokens}
 
     def _stash_peer_state(self, state: dict) -> None:
@@ -269,7 +272,7 @@ class ElasticEngine(DistEngine):
         pending = [(due, f, deltas) for due, f, deltas, _, _ in self.rk.in_flight]
         self.rk.in_flight = []
         for due, f, deltas in pending:
-            for work in self.rk._post(due, f, deltas):
+            for work in self.rk.post(due, f, deltas):
                 work.wait()
 
     # checkpoints: this replica's own, in its folder; torchft's step goes with them -----------------

@@ -104,41 +104,151 @@ def _read_rows(path: Path, before: int, warn=say) -> list[dict]:
     return [m for m in read_rows(path, warn) if isinstance(m.get("step"), int) and m["step"] < before]
 
 
+class Rows:
+    """The run's rows: ``metrics.jsonl`` (appended and flushed per step, by the lead alone), the dashboards and
+    the progress bar; a resume or a rollback rewinds them to a checkpoint's step."""
+
+    def __init__(self, engine: Engine, cfg: Config, out: Path, start: int, resume: bool, progress: bool):
+        self.lead, self.out = engine.lead, out
+        self.metrics = _read_rows(out / "metrics.jsonl", start, say if engine.lead else None) if resume else []
+        if self.lead:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.toml").write_text(cfg.to_toml())
+        self.f = open(out / "metrics.jsonl", "w") if self.lead else _Discard()
+        self._rewrite()  # rows after the checkpoint are redone
+        self.dash = Dashboards(cfg, out, start) if self.lead else Dashboards.none()
+        self.bar = tqdm(total=cfg.train.steps, desc="train", disable=not (progress and self.lead), initial=start,
+                        file=sys.stderr, dynamic_ncols=True)
+        self.wall0 = time.perf_counter() - (self.metrics[-1]["wall_s"] if self.metrics else 0.0)
+
+    def wall(self) -> float:
+        """Seconds of this run so far (a resumed run's rows keep counting from their last)."""
+        return time.perf_counter() - self.wall0
+
+    def append(self, row: dict, val_key: str, shown: str) -> None:
+        self.metrics.append(row)
+        self.f.write(json.dumps(row) + "\n")
+        self.f.flush()
+        self.dash.log(row)
+        self.bar.update(1)
+        nbytes = sum(row[f"{a}_bytes"] for a in AXES)
+        self.bar.set_postfix(loss=f"{row['loss']:.3f}", val=shown, lr=f"{row['lr']:.2e}",
+                             wire=_rate(nbytes, row["wall_s"]))
+
+    def go_to(self, step: int) -> None:
+        """The bar at ``step`` (an elastic replica that joined a running job goes on at the job's step)."""
+        self.bar.n = step
+        self.bar.refresh()
+
+    def rewind(self, step: int, cfg: Config) -> None:
+        """Back to a checkpoint's ``step``: its rows after it are dropped, ``config.toml`` rewritten (a rollback
+        lowered train.lr, which a later --resume keeps)."""
+        self.metrics = [m for m in self.metrics if m["step"] < step]
+        if self.lead:
+            (self.out / "config.toml").write_text(cfg.to_toml())
+        self._rewrite()
+        self.dash.rewind(step)
+        self.go_to(step)
+
+    def _rewrite(self) -> None:
+        self.f.seek(0)
+        self.f.truncate()
+        self.f.writelines(json.dumps(m) + "\n" for m in self.metrics)
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+        self.bar.close()
+
+
+class Recovery:
+    """The checkpoint and rollback policy: a checkpoint every ``train.checkpoint_every`` steps, never of a
+    diverged state; on divergence, the one line that stops the run or (``train.on_divergence = rollback``) the
+    last good checkpoint again with ``train.lr`` lowered, at most ``train.max_rollbacks`` times."""
+
+    def __init__(self, engine: Engine, cfg: Config, ckpt: Path, last_good: int | None):
+        self.engine, self.cfg, self.ckpt = engine, cfg, ckpt
+        self.last_good = last_good  # the newest checkpoint this run can go back to
+        self.rollbacks = 0
+
+    def after_step(self, step: int, val_points: list) -> str | None:
+        """A checkpoint when one is due after ``step``; what diverged when the weights are not finite."""
+        t = self.cfg.train
+        if not (t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps):
+            return None
+        if not self.engine.weights_finite():  # a checkpoint never holds a diverged state
+            return "non-finite weights after its update"
+        self.engine.save(self.ckpt, {"val_points": val_points})
+        self.last_good = step + 1
+        return None
+
+    def diverged(self, step: int, what: str) -> tuple[int, list]:
+        """Stop (raise) or roll back: (the step to go on at, the held-out points up to it)."""
+        t = self.cfg.train
+        if t.on_divergence != "rollback" or self.last_good is None or self.rollbacks >= t.max_rollbacks:
+            raise self.stop(step, what)
+        self.rollbacks += 1
+        t.lr *= t.rollback_lr_factor
+        back, extra = self.engine.load(self.ckpt)
+        say(f"[thinpipe] diverged at step {step} ({what}): rolled back to the checkpoint of step {back} with "
+            f"train.lr = {t.lr:g} (rollback {self.rollbacks} of at most {t.max_rollbacks})")
+        return back, [tuple(v) for v in extra["val_points"]]
+
+    def stop(self, step: int, what: str) -> Diverged:
+        """The one line a diverged run ends with; nothing is checkpointed after it, so the newest checkpoint
+        stays the last good one."""
+        t = self.cfg.train
+        back = (f"the last good checkpoint is step {self.last_good} in {self.ckpt} (--resume continues from it)"
+                if self.last_good is not None else "no checkpoint was written before it")
+        tried = (f" after {self.rollbacks} rollback{'s' if self.rollbacks != 1 else ''}" if self.rollbacks else "")
+        return Diverged(f"training diverged at step {step} ({what}){tried}; {back}: lower train.lr (now {t.lr}), "
+                        "set train.on_divergence = rollback, or compress less")
+
+
+def _begin(engine: Engine, ckpt: Path, resume: bool) -> tuple[int, list]:
+    """(the step to start at, the held-out points so far): a resumed run's checkpoint, or a new run's start."""
+    if not resume:
+        engine.residual_start()
+        return 0, []
+    with restoring(ckpt):  # a hand-edited part whose digests verify: one line (checkpoint.py)
+        start, extra = engine.load(ckpt)
+    return operator.index(start), [(int(s), float(v)) for s, v in extra["val_points"]]
+
+
+def _row(engine: Engine, cfg: Config, step: int, loss: float, wall_s: float, val_points: list) -> dict:
+    """A step's metrics row (the module docstring's keys), with the held-out measure when one is due."""
+    b = engine.bytes_total()
+    row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
+           "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES}, "wall_s": wall_s,
+           **engine.step_metrics()}
+    diag = engine.diagnostics()
+    if diag is not None:
+        row["diag"] = diag
+    if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps:
+        row[engine.val_key] = engine.validation_loss()
+        val_points.append((step + 1, row[engine.val_key]))
+        energy = engine.captured_energy()
+        if energy:
+            row["captured_energy"] = energy
+    return row
+
+
 def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: bool = True) -> dict | None:
     """Train ``engine`` as configured; the lead returns the summary (also in ``out/summary.json``)."""
-    t = cfg.train
-    ckpt = out / "checkpoint"
-    vk = engine.val_key
-    start, val_points = 0, []
-    if resume:
-        with restoring(ckpt):  # a hand-edited part whose digests verify: one line (checkpoint.py)
-            start, extra = engine.load(ckpt)
-            start, val_points = operator.index(start), [(int(s), float(v)) for s, v in extra["val_points"]]
-    else:
-        engine.residual_start()
-    last_good = start if resume else None  # the newest checkpoint this run can go back to
-    metrics = _read_rows(out / "metrics.jsonl", start, say if engine.lead else None) if resume else []
-    if engine.lead:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.toml").write_text(cfg.to_toml())
-        with open(out / "metrics.jsonl", "w") as f:  # rows after the checkpoint are redone
-            f.writelines(json.dumps(m) + "\n" for m in metrics)
-    wall0 = time.perf_counter() - (metrics[-1]["wall_s"] if metrics else 0.0)
+    t, ckpt, vk = cfg.train, out / "checkpoint", engine.val_key
+    step, val_points = _begin(engine, ckpt, resume)
+    rows = Rows(engine, cfg, out, step, resume, progress)
+    recovery = Recovery(engine, cfg, ckpt, step if resume else None)
     if not val_points:
         val_points.append((0, engine.validation_loss()))
-    bar = tqdm(total=t.steps, desc="train", disable=not (progress and engine.lead), initial=start, file=sys.stderr,
-               dynamic_ncols=True)
-    rollbacks, step = 0, start
     nan_at = nan_at_step()  # divergence tests only: one NaN loss (thinpipe/faults.py)
-    f = open(out / "metrics.jsonl", "a") if engine.lead else _Discard()
-    dash = Dashboards(cfg, out, start) if engine.lead else Dashboards.none()
-    shown = {"val": f"{val_points[-1][1]:.3f}"}
+    shown = f"{val_points[-1][1]:.3f}"
     try:
         while step < t.steps:
             joined = engine.at_step(step)  # an elastic replica that joined a running job goes on at the job's step
             if joined != step:
-                step, bar.n = joined, joined
-                bar.refresh()
+                step = joined
+                rows.go_to(step)
                 if step >= t.steps:
                     break
             loss = engine.train_step(step)
@@ -149,64 +259,54 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
             diverged = (None if math.isfinite(loss) and math.isfinite(engine.grad_norm()) else
                         f"loss {loss}, gradient norm {engine.grad_norm()}")
             if diverged is None:
-                b = engine.bytes_total()
-                row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
-                       "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES},
-                       "wall_s": time.perf_counter() - wall0}
-                row.update(engine.step_metrics())
-                diag = engine.diagnostics()
-                if diag is not None:
-                    row["diag"] = diag
-                if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < t.steps:
-                    row[vk] = engine.validation_loss()
-                    val_points.append((step + 1, row[vk]))
-                    energy = engine.captured_energy()
-                    if energy:
-                        row["captured_energy"] = energy
-                metrics.append(row)
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                dash.log(row)
-                bar.update(1)
-                if vk in row:
-                    shown["val"] = f"{row[vk]:.3f}"
-                bar.set_postfix(loss=f"{loss:.3f}", val=shown["val"], lr=f"{row['lr']:.2e}",
-                                wire=_rate(sum(b[a] for a in AXES), row["wall_s"]))
-                if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < t.steps:
-                    if engine.weights_finite():  # a checkpoint never holds a diverged state
-                        engine.save(ckpt, {"val_points": val_points})
-                        last_good = step + 1
-                    else:
-                        diverged = "non-finite weights after its update"
+                row = _row(engine, cfg, step, loss, rows.wall(), val_points)
+                shown = f"{row[vk]:.3f}" if vk in row else shown
+                rows.append(row, vk, shown)
+                diverged = recovery.after_step(step, val_points)
             if diverged is None:
                 step += 1
                 continue
-            if t.on_divergence != "rollback" or last_good is None or rollbacks >= t.max_rollbacks:
-                raise _diverged(step, diverged, last_good, ckpt, t.lr, rollbacks)
-            rollbacks += 1
-            step, metrics, val_points = _rollback(engine, cfg, out, ckpt, step, diverged, rollbacks, metrics, f)
-            dash.rewind(step)
-            bar.n = step
-            bar.refresh()
+            step, val_points = recovery.diverged(step, diverged)
+            rows.rewind(step, cfg)
     except BaseException:
-        dash.close()
+        rows.dash.close()
         raise
     finally:
-        f.close()
-        bar.close()
-    wall = time.perf_counter() - wall0
+        rows.close()
+    wall = rows.wall()
     if not engine.weights_finite():
-        raise _diverged(t.steps - 1, "non-finite weights after its update", last_good, ckpt, t.lr, rollbacks)
+        raise recovery.stop(t.steps - 1, "non-finite weights after its update")
     engine.save(ckpt, {"val_points": val_points})  # before the anchor circuit stops: its ranks write their parts
     engine.finish()
     final_val = engine.validation_loss()
     val_points.append((t.steps, final_val))
+    summary = _summary(engine, cfg, rows.metrics, val_points, wall, recovery.rollbacks)
+    if summary is None:
+        return None
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
+    # belongs to the last row's step
+    rows.dash.log({"step": t.steps - 1, vk: final_val})
+    rows.dash.summary(summary, t.steps - 1)
+    rows.dash.close()
+    b_cfg = cfg.boundary
+    plot_losses(rows.metrics, val_points, out / "loss.png", vk,
+                f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
+                f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
+    return summary
+
+
+def _summary(engine: Engine, cfg: Config, metrics: list, val_points: list, wall: float,
+             rollbacks: int) -> dict | None:
+    """``summary.json`` (the lead's; None elsewhere, after the collectives every rank takes part in)."""
+    t, vk = cfg.train, engine.val_key
     b = engine.bytes_total()
     extras = engine.summary_extras()
     if not engine.lead:
         return None
     tokens = engine.tokens_seen(t.steps - 1)
-    summary = {
+    final_val = val_points[-1][1]
+    return {
         "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
         f"initial_{vk}": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
         f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if t.objective == "sft" else {}),
@@ -215,17 +315,6 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "rollbacks": rollbacks,
         **extras, "val_points": val_points,
     }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
-    # belongs to the last row's step
-    dash.log({"step": t.steps - 1, vk: final_val})
-    dash.summary(summary, t.steps - 1)
-    dash.close()
-    b_cfg = cfg.boundary
-    plot_losses(metrics, val_points, out / "loss.png", vk,
-                f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
-                f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
-    return summary
 
 
 def _rate(nbytes: float, seconds: float) -> str:
@@ -235,35 +324,6 @@ def _rate(nbytes: float, seconds: float) -> str:
         if r < 1000 or unit == "GB":
             return f"{r:.3g}{unit}/s"
         r /= 1000
-
-
-def _diverged(step: int, what: str, last_good: int | None, ckpt: Path, lr: float, rollbacks: int = 0) -> Diverged:
-    """The one line a diverged run ends with; nothing is checkpointed after it, so the newest
-    checkpoint stays the last good one."""
-    back = (f"the last good checkpoint is step {last_good} in {ckpt} (--resume continues from it)"
-            if last_good is not None else "no checkpoint was written before it")
-    tried = f" after {rollbacks} rollback{'s' if rollbacks != 1 else ''}" if rollbacks else ""
-    return Diverged(f"training diverged at step {step} ({what}){tried}; {back}: lower train.lr (now {lr}), set "
-                    "train.on_divergence = rollback, or compress less")
-
-
-def _rollback(engine: Engine, cfg: Config, out: Path, ckpt: Path, step: int, what: str, n: int, metrics: list,
-              f) -> tuple[int, list, list]:
-    """``train.on_divergence = rollback``: the last good checkpoint again, with ``train.lr`` lowered
-    (recorded in config.toml, so a later --resume keeps it); the rows after it are dropped."""
-    t = cfg.train
-    t.lr *= t.rollback_lr_factor
-    back, extra = engine.load(ckpt)
-    say(f"[thinpipe] diverged at step {step} ({what}): rolled back to the checkpoint of step {back} with train.lr = "
-        f"{t.lr:g} (rollback {n} of at most {t.max_rollbacks})")
-    metrics = [m for m in metrics if m["step"] < back]
-    if engine.lead:
-        (out / "config.toml").write_text(cfg.to_toml())
-        f.seek(0)
-        f.truncate()
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
-        f.flush()
-    return back, metrics, [tuple(v) for v in extra["val_points"]]
 
 
 class _Discard:
@@ -282,4 +342,13 @@ class _Discard:
         pass
 
     def close(self):
+        pass
+
+    def seek(self, _):
+        pass
+
+    def truncate(self):
+        pass
+
+    def writelines(self, _):
         pass

@@ -170,14 +170,14 @@ class StageRank:
             return
         for f in sync_start_steps(step, d.inner_steps, d.fragments):
             deltas = fragment_deltas(self.streaming, f, self.trained())
-            yield from self._post(step + d.overlap, f, deltas)
+            yield from self.post(step + d.overlap, f, deltas)
         due = [x for x in self.in_flight if x[0] <= step]
         self.in_flight = [x for x in self.in_flight if x[0] > step]
         for _, _, _, gen, work in due:
             yield work
             yield from gen
 
-    def _post(self, due: int, f: int, deltas: dict) -> Generator:
+    def post(self, due: int, f: int, deltas: dict) -> Generator:
         """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
         d = self.cfg.dp
         gen = fragment_sync(self.streaming, f, deltas, self.trained(), self.dp_group, self.replica,
@@ -260,4 +260,4 @@ class StageRank:
                 obj.load_state_dict(state[key])
         self.in_flight = []
         for due, f, deltas in state.get("in_flight", []):
-            yield from self._post(due, f, deltas)
+            yield from self.post(due, f, deltas)
