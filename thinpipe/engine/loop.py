@@ -212,7 +212,7 @@ def _begin(engine: Engine, ckpt: Path, resume: bool) -> tuple[int, list]:
         return 0, []
     with restoring(ckpt):  # a hand-edited part whose digests verify: one line (checkpoint.py)
         start, extra = engine.load(ckpt)
-    return operator.index(start), [(int(s), float(v)) for s, v in extra["val_points"]]
+        return operator.index(start), [(int(s), float(v)) for s, v in extra["val_points"]]
 
 
 def _row(engine: Engine, cfg: Config, step: int, loss: float, wall_s: float, val_points: list) -> dict:
