@@ -10,6 +10,12 @@ entry under torchrun: it trains (``thinpipe train --engine dist``) and then writ
 ``benchmarks/results/stage_memory.json`` and prints the table that ``docs/memory.md`` shows.
 
     .venv/bin/python benchmarks/stage_memory.py [--stages 1 4] [--arms before after]
+
+The scale presets (issue 38: ``llama-150m`` / ``llama-500m`` / ``llama-1b``) with LoRA, "after" only (their
+"before" would hold the whole model on every rank), into their own results file:
+
+    .venv/bin/python benchmarks/stage_memory.py --model llama-1b --set train.lora.rank=16 --arms after \
+        --results benchmarks/results/scale_memory_llama-1b_lora.json
 """
 
 from __future__ import annotations
@@ -47,18 +53,22 @@ def rank_entry(argv: list[str]) -> int:
     return code
 
 
-def run_job(stages: int, arm: str, work: Path) -> list[int]:
+def run_job(stages: int, arm: str, work: Path, settings: list[str] = SETTINGS) -> list[int]:
     """A dist job of ``stages`` ranks (one replica); each rank's peak RSS in bytes, by rank (= stage)."""
     out = work / f"{arm}-pp{stages}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_BENCH_WHOLE_MODEL": ARMS[arm],
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    sets = [x for s in [*SETTINGS, f"mesh.pp={stages}"] for x in ("--set", s)]
+    sets = [x for s in [*settings, f"mesh.pp={stages}"] for x in ("--set", s)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
            str(Path(__file__).resolve()), "rank", "train", "--out", str(out), "--quiet", *sets]
     r = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if r.returncode != 0:
         raise SystemExit(f"{arm}, {stages} stages failed:\n{r.stderr[-3000:]}")
+    run_job.step_s[(arm, stages)] = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["wall_s"]
     return [json.loads((out / "peak_rss" / f"rank{i}.json").read_text())["peak_rss_bytes"] for i in range(stages)]
+
+
+run_job.step_s = {}  # (arm, stages) -> the training loop's seconds for its one step
 
 
 def table(results: dict) -> str:
@@ -80,22 +90,29 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 4])
     p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    p.add_argument("--model", default="smollm2-135m", help="model.name (default SmolLM2-135M, untied)")
+    p.add_argument("--set", action="append", default=[], help="more KEY=VALUE settings (e.g. train.lora.rank=16)")
+    p.add_argument("--results", type=Path, default=RESULTS)
     args = p.parse_args()
+    settings = [s for s in SETTINGS if not s.startswith("model.name=")] + [f"model.name={args.model}", *args.set]
+    if args.model != "smollm2-135m":
+        settings.remove("model.tied=untie")
     results: dict = {}
     with tempfile.TemporaryDirectory(prefix="stage-memory-") as work:
         for arm in args.arms:
             for stages in args.stages:
-                peaks = run_job(stages, arm, Path(work))
+                peaks = run_job(stages, arm, Path(work), settings)
                 results.setdefault(arm, {})[str(stages)] = peaks
                 print(f"{arm}, {stages} stages: peak RSS per rank (MiB) "
                       f"{[round(p / 2**20) for p in peaks]}", flush=True)
     print(table(results))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"settings": SETTINGS, "unit": "bytes (ru_maxrss x 1024)", "commit": commit,
-                                   "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                                   "peak_rss_bytes": results},
-                                  indent=1) + "\n")
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps({"settings": settings, "unit": "bytes (ru_maxrss x 1024)", "commit": commit,
+                                        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+                                        "peak_rss_bytes": results,
+                                        "step_s": {f"{a}-pp{n}": v for (a, n), v in run_job.step_s.items()}},
+                                       indent=1) + "\n")
     return 0
 
 

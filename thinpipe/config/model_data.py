@@ -17,6 +17,12 @@ class ModelConfig:
     """Tied input/output embeddings split over stages: ``sync`` sums the two copies' gradients every
     step (exact; costs V x H values each way on the ``tied`` axis), ``untie`` lets them drift apart."""
 
+    tokenizer: str = ""
+    """The tokenizer of a scale preset (``llama-150m``, ``llama-500m``, ``llama-1b``): empty = the 32k byte-level
+    BPE trained on the built-in corpora (``data/bpe_tokenizer.py``, cached); or a Hugging Face tokenizer folder or
+    a ``tokenizer.json`` (the embedding grows to its vocabulary when that exceeds 32,000). Other models bring
+    their own."""
+
     init_from: str = ""
     """Where this run's starting weights came from (``train --init-from``: a run folder or a Hugging
     Face folder; weights only, fresh optimizer and schedule). Recorded for the record: ``name``
@@ -25,6 +31,9 @@ class ModelConfig:
     def validate(self) -> None:
         if not self.name:
             raise ConfigError("model.name is empty: give a preset (smollm2-135m, tiny-llama, tiny-qwen2) or a path")
+        if self.tokenizer and not self.name.startswith("llama-"):
+            raise ConfigError(f"model.tokenizer = {self.tokenizer!r} applies to the random scale presets (llama-150m, "
+                              f"llama-500m, llama-1b); model {self.name!r} brings its own tokenizer: unset it")
         if self.tied not in ("sync", "untie"):
             raise ConfigError(f"model.tied must be sync or untie, got {self.tied!r}")
 

@@ -262,9 +262,11 @@ class DistEngine:
             self._bytes[a] += int(sum(float(r[i]) for r in rows))
 
     def summary_extras(self) -> dict:
-        counts = self.gather([float(self.rk.trainable_count() if self.role.replica == 0 else 0)])
+        mine = [float(self.rk.trainable_count()), float(self.rk.model_count())] if self.role.replica == 0 else [0., 0.]
+        counts = self.gather(mine)
         memory = self.gather([float(sum(b.memory_bytes() for b in (self.in_b, self.out_b) if b is not None))])
-        return {"engine": "dist", "trainable_params": int(sum(float(c[0]) for c in counts)),
+        return {"engine": "dist", "params": int(sum(float(c[1]) for c in counts)),
+                "trainable_params": int(sum(float(c[0]) for c in counts)),
                 "boundary_memory_bytes": int(sum(float(m[0]) for m in memory)),
                 **(self.feed.summary() if self.feed else {})}
 

@@ -120,7 +120,8 @@ class SimEngine:
         pass
 
     def summary_extras(self) -> dict:
-        return {"engine": "sim", "trainable_params": trainable_params(self.mesh),
+        return {"engine": "sim", "params": sum(rk.model_count() for rk in self.mesh.ranks[0]),
+                "trainable_params": trainable_params(self.mesh),
                 "boundary_memory_bytes": self.mesh.boundary_memory_bytes(),
                 **(self.mesh.anchor.summary() if self.mesh.anchor else {})}
 

@@ -20,10 +20,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from thinpipe.config import ConfigError
 from thinpipe.data import ByteTokenizer
+from thinpipe.data.bpe_tokenizer import scale_tokenizer, user_tokenizer
 from thinpipe.data.byte_tokenizer import MARKER as BYTE_MARKER
 from thinpipe.data.fetch import cache_dir
 from thinpipe.models.families import GGUF_ARCHITECTURES, Family, check_model_type, family_of
-from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SMOLLM2_GGUF, tiny_config
+from thinpipe.models.presets import DEFAULT_MODEL, PRESETS, SCALE_VOCAB, SCALES, SMOLLM2_GGUF, scale_config, tiny_config
+from thinpipe.models.scale_init import scale_model
 
 
 @dataclass
@@ -139,8 +141,18 @@ def _gguf_folder(gguf: Path) -> Path:
 
 
 def is_random_preset(name: str) -> bool:
-    """A random-init preset (``tiny-*``, ``small-llama``): built from a config and a seed, no files."""
-    return name.startswith("tiny-") or name == "small-llama"
+    """A random-init preset (``tiny-*``, ``small-llama``, the scale presets): built from a config and a seed, no
+    files."""
+    return name.startswith("tiny-") or name == "small-llama" or name in SCALES
+
+
+def scale_setup(name: str, tokenizer: str = ""):
+    """(tokenizer, config) of scale preset ``name``: the built BPE or ``model.tokenizer``'s, and App. E.1's shape
+    with the tokenizer's special ids and at least 32,000 embedding rows."""
+    tok = user_tokenizer(tokenizer) if tokenizer else scale_tokenizer(SCALE_VOCAB)
+    config = scale_config(name, max(SCALE_VOCAB, len(tok)))
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = tok.bos_token_id, tok.eos_token_id, None
+    return tok, config
 
 
 def model_folder(name: str) -> Path | None:
@@ -156,11 +168,15 @@ def model_folder(name: str) -> Path | None:
     return Path(name)
 
 
-def load_model(name: str = DEFAULT_MODEL, seed: int = 0) -> LoadedModel:
+def load_model(name: str = DEFAULT_MODEL, seed: int = 0, tokenizer: str = "") -> LoadedModel:
     """Load model + tokenizer in fp32 with SDPA attention (eager where the family needs it:
-    ``models/families.py``). ``seed`` only matters for random presets."""
+    ``models/families.py``). ``seed`` only matters for random presets; ``tokenizer`` for scale presets
+    (``model.tokenizer``)."""
     name = resolve_model_name(name)
     folder = model_folder(name)
+    if name in SCALES:  # every parameter its own seeded draw (models/scale_init.py)
+        tok, config = scale_setup(name, tokenizer)
+        return LoadedModel(scale_model(config, seed).eval(), tok, name)
     if folder is None:
         config = tiny_config("small" if name == "small-llama" else name.split("-", 1)[1])
         config._attn_implementation = "sdpa"
@@ -187,6 +203,8 @@ def model_num_layers(name: str) -> int | None:
     import json
 
     name = resolve_model_name(name)
+    if name in SCALES:
+        return SCALES[name][1]
     if is_random_preset(name):
         return tiny_config("small" if name == "small-llama" else name.split("-", 1)[1]).num_hidden_layers
     if name == "smollm2-135m":

@@ -5,6 +5,12 @@ the byte-level tokenizer. ``small-llama`` (hidden 128, 8 layers, 1.7 M parameter
 is the from-scratch pretraining model of the MAPL experiments: the largest that trains hundreds of
 steps per arm in minutes on two CPU cores. ``tiny-llama`` unties its embeddings, ``tiny-qwen2`` ties them (as
 Qwen2-0.5B does) so that both weight layouts are exercised by the equivalence tests.
+
+``llama-150m``, ``llama-500m``, ``llama-1b`` are the MAPL paper's model scales (App. E.1: LLaMA-2 architecture,
+context 2048, vocabulary 32,000, untied embeddings), random init, each parameter drawn from a generator of its
+own (``models/scale_init.py``), so that a rank builds its own stage alone and every split draws the same weights.
+They use a 32k byte-level BPE trained on the built-in corpora (``data/bpe_tokenizer.py``), or a user's tokenizer
+(``model.tokenizer``).
 """
 
 from __future__ import annotations
@@ -29,4 +35,18 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "small-llama")
+# App. E.1's scales: (d_model, n_layers, n_heads, d_ffn)
+SCALES = {"llama-150m": (1024, 9, 8, 2688), "llama-500m": (1536, 18, 12, 4096), "llama-1b": (2048, 20, 16, 5440)}
+SCALE_VOCAB = 32_000
+SCALE_CONTEXT = 2048
+
+
+def scale_config(name: str, vocab_size: int = SCALE_VOCAB) -> LlamaConfig:
+    """The LLaMA-2 shape of scale preset ``name`` (multi-head attention: as many key/value heads as heads)."""
+    hidden, layers, heads, ffn = SCALES[name]
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=SCALE_CONTEXT,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02)
+
+
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "small-llama", *SCALES)

@@ -79,34 +79,20 @@ def empty_model(config) -> PreTrainedModel:
 
 
 @torch.no_grad()
-def materialize(stage: Stage, folder: Path, files: dict[str, Path], seed: int, tied: bool) -> None:
-    """Give every meta parameter of ``stage`` its value: base weights from the checkpoint (as
-    fp32, like ``load_model``), adapters from ``adapter_init``. A parameter shared by two modules
-    (a one-stage tied model: embedding and head) stays one parameter."""
+def materialize(stage: Stage, base_value, seed: int) -> None:
+    """Give every meta parameter of ``stage`` its value: base weights from ``base_value(name, shape, dtype)``
+    (their Hugging Face name; a checkpoint's tensor as fp32, like ``load_model``, or a scale preset's seeded
+    draw), adapters from ``adapter_init``. A parameter shared by two modules (a one-stage tied model: embedding
+    and head) stays one parameter."""
     meta: dict[int, tuple[nn.Parameter, str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         if p.is_meta and id(p) not in meta:
             meta[id(p)] = (p, hf_name(name))
     real: dict[int, nn.Parameter] = {}
-    with ExitStack() as stack:
-        opened: dict[Path, object] = {}
-        for key, (p, name) in meta.items():
-            if "lora_" in name:
-                value = adapter_init(name, p.shape, p.dtype, seed)
-            else:
-                source = source_name(name, files, tied)
-                if source is None:
-                    raise ConfigError(f"model folder {folder} has no tensor {name.replace('.base_layer.', '.')!r}, "
-                                      f"which stage {stage.index} needs")
-                file = files[source]
-                if file not in opened:
-                    opened[file] = stack.enter_context(safe_open(file, "pt"))
-                value = opened[file].get_tensor(source)
-                if tuple(value.shape) != tuple(p.shape):
-                    raise ConfigError(f"model folder {folder}: tensor {source!r} has shape {tuple(value.shape)}, "
-                                      f"the model's config gives {tuple(p.shape)}")
-                value = value.to(p.dtype)
-            real[key] = nn.Parameter(value, requires_grad=p.requires_grad)
+    for key, (p, name) in meta.items():
+        value = (adapter_init(name, p.shape, p.dtype, seed) if "lora_" in name else
+                 base_value(name.replace(".base_layer.", "."), tuple(p.shape), p.dtype))
+        real[key] = nn.Parameter(value, requires_grad=p.requires_grad)
     for module in stage.modules():
         for attr, p in module._parameters.items():
             if p is not None and id(p) in real:
@@ -114,6 +100,28 @@ def materialize(stage: Stage, folder: Path, files: dict[str, Path], seed: int, t
     left = [n for n, t in [*stage.named_parameters(), *stage.named_buffers()] if t.is_meta]
     if left:
         raise RuntimeError(f"stage {stage.index}: tensors left on the meta device: {left[:5]}")
+
+
+class FolderValues:
+    """``materialize``'s base weights read from a Hugging Face folder's safetensors files (each opened once)."""
+
+    def __init__(self, folder: Path, tied: bool, stack: ExitStack, stage: int):
+        self.folder, self.files, self.tied, self.stack = Path(folder), tensor_files(Path(folder)), tied, stack
+        self.stage = stage
+        self.opened: dict[Path, object] = {}
+
+    def __call__(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        source = source_name(name, self.files, self.tied)
+        if source is None:
+            raise ConfigError(f"model folder {self.folder} has no tensor {name!r}, which stage {self.stage} needs")
+        file = self.files[source]
+        if file not in self.opened:
+            self.opened[file] = self.stack.enter_context(safe_open(file, "pt"))
+        value = self.opened[file].get_tensor(source)
+        if tuple(value.shape) != shape:
+            raise ConfigError(f"model folder {self.folder}: tensor {source!r} has shape {tuple(value.shape)}, "
+                              f"the model's config gives {shape}")
+        return value.to(dtype)
 
 
 def stage_from_folder(folder: Path, index: int, split: list[int] | None, num_stages: int, lora,
@@ -124,7 +132,8 @@ def stage_from_folder(folder: Path, index: int, split: list[int] | None, num_sta
     config = AutoConfig.from_pretrained(folder)
     skeleton = apply_lora(empty_model(config), lora, seed)
     stages = build_stages(skeleton, split, num_stages)  # a deep copy of meta tensors: no memory
-    materialize(stages[index], Path(folder), tensor_files(Path(folder)), seed, bool(config.tie_word_embeddings))
+    with ExitStack() as stack:
+        materialize(stages[index], FolderValues(folder, bool(config.tie_word_embeddings), stack, index), seed)
     return stages
 
 

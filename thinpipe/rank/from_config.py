@@ -16,8 +16,10 @@ from thinpipe.data import PackedDataset, batches, build_dataset
 from thinpipe.data.preferences import build_preference_dataset
 from thinpipe.data.prompts import build_prompt_dataset
 from thinpipe.models import LoadedModel, Stage, build_stages, load_model
-from thinpipe.models.loading import load_tokenizer, model_folder
+from thinpipe.models.loading import load_tokenizer, model_folder, scale_setup
 from thinpipe.models.lora import apply_lora
+from thinpipe.models.presets import SCALES
+from thinpipe.models.scale_init import ScaleModelOnDisk, scale_stages
 from thinpipe.models.stage_loading import ModelOnDisk, has_safetensors, stage_from_folder
 from thinpipe.optim import cosine_with_warmup
 from thinpipe.placement import DTYPES, compute_dtype_name, resolve_device, use_deterministic
@@ -49,7 +51,7 @@ def lr_at(cfg: Config, step: int) -> float:
 def load(cfg: Config) -> LoadedModel:
     """The configured model (seeded), with LoRA adapters when configured; checks the mesh fits it."""
     torch.manual_seed(cfg.train.seed)
-    loaded = load_model(cfg.model.name, seed=cfg.train.seed)
+    loaded = load_model(cfg.model.name, seed=cfg.train.seed, tokenizer=cfg.model.tokenizer)
     apply_lora(loaded.model, cfg.train.lora, cfg.train.seed)
     check_layers(cfg, loaded.model.config.num_hidden_layers)
     return loaded
@@ -82,6 +84,12 @@ def load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
     ``whole=True`` (the benchmark's "before": ``benchmarks/stage_memory.py``) load the whole model
     and carve it. The global RNG is left as ``load`` leaves it."""
     m = cfg.mesh
+    if not whole and cfg.model.name in SCALES:  # this stage's parameters alone, each its own seeded draw
+        torch.manual_seed(cfg.train.seed)
+        tokenizer, config = scale_setup(cfg.model.name, cfg.model.tokenizer)
+        check_layers(cfg, config.num_hidden_layers)
+        stages = scale_stages(config, index, m.split or None, m.pp, cfg.train.lora, cfg.train.seed)
+        return LoadedStage(stages, tokenizer, ScaleModelOnDisk(config, cfg.train.seed), config.hidden_size)
     folder = model_folder(cfg.model.name)
     if whole or folder is None or not has_safetensors(folder):
         loaded = load(cfg)

@@ -78,6 +78,12 @@ class StageRank:
         n = sum(p.numel() for p in self.stage.parameters() if p.requires_grad)
         return n - (self.tied_param.numel() if self.tied_param is not None and self.stage.is_last else 0)
 
+    def model_count(self) -> int:
+        """This stage's parameters of the model itself (LoRA adapters left out), a tied matrix's second copy not
+        counted again: summed over a replica's stages, the model's parameter count (``summary.json: params``)."""
+        n = sum(p.numel() for name, p in self.stage.named_parameters() if "lora_" not in name)
+        return n - (self.tied_param.numel() if self.tied_param is not None and self.stage.is_last else 0)
+
     def _tied_param(self):
         """The tied matrix this stage holds a copy of, when the first and last stage differ (and it
         trains: frozen copies stay equal without a sync)."""
