@@ -55,8 +55,11 @@ def rank_entry(argv: list[str]) -> int:
 
 def run_job(stages: int, arm: str, work: Path, settings: list[str] = SETTINGS) -> list[int]:
     """A dist job of ``stages`` ranks (one replica); each rank's peak RSS in bytes, by rank (= stage)."""
+    from thinpipe.comm.jobkey import KEY_ENV, write_key_file
+
     out = work / f"{arm}-pp{stages}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_BENCH_WHOLE_MODEL": ARMS[arm],
+    key = write_key_file(work / f"{arm}-pp{stages}.key")  # the job key every rank needs (docs/security.md)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_BENCH_WHOLE_MODEL": ARMS[arm], KEY_ENV: str(key),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     sets = [x for s in [*settings, f"mesh.pp={stages}"] for x in ("--set", s)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(stages),
