@@ -8,6 +8,7 @@ Adaptation suite: SmolLM2-135M on MATH with the anchor-priors recipe (100 steps,
 AdamW lr 1e-4), MAPL at r = 28 (the PP bytes of M95: 29 kept values), random vs PCA start.
 
     .venv/bin/python experiments/mapl/run.py --suite main     # then: experiments/mapl/report.py
+    .venv/bin/python experiments/mapl/run.py --suite 150m     # llama-150m: Uncompressed vs MAPL r32
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ PRETRAIN = {"model.name": "small-llama", "data.name": "math", "mesh.pp": 4, "tra
             "train.seq_len": 256, "train.microbatches": 4, "train.steps": 200, "train.optimizer": "muon",
             "train.lr": 0.02, "train.grad_clip": 0, "train.weight_decay": 0.01, "data.val_rows": 64,
             "eval.every": 25, "train.checkpoint_every": 0, "train.dtype": "float32", "boundary.dtype": "bfloat16"}
+# MAPL's smallest Table 1 row at its real shape (issue 38): llama-150m (App. E.1; the 32k BPE), from scratch on the
+# MATH training text, P = 4, Muon + AdamW as PRETRAIN; 300 steps of 4 x 128 tokens (a CPU budget: ~10-15 s a step),
+# checkpointed every 20 steps so an interrupted suite resumes (experiments/arms.py)
+SCALE150 = {**PRETRAIN, "model.name": "llama-150m", "train.batch_size": 4, "train.seq_len": 128,
+            "train.microbatches": 2, "train.steps": 300, "data.val_rows": 32, "eval.every": 50,
+            "train.checkpoint_every": 20}
 ADAPT = {"model.name": "smollm2-135m", "data.name": "math", "mesh.pp": 4, "train.batch_size": 4,
          "train.seq_len": 128, "train.microbatches": 2, "train.steps": 100, "train.lr": 1e-4,
          "data.val_rows": 32, "eval.every": 20, "model.tied": "untie", "train.checkpoint_every": 0}
@@ -47,8 +54,9 @@ SUITES = {
     "table6": {f"anchor {a} r32": mapl(32, **{"boundary.offset": a}) for a in ("none", "static", "full")},
     "p8": {"Uncompressed P8": {"mesh.pp": 8}, "MAPL r32 P8": {**mapl(32), "mesh.pp": 8}},
     "adapt": {"MAPL r28 pca": mapl(28, **{"boundary.init": "pca"}), "MAPL r28 random": mapl(28)},
+    "150m": {"Uncompressed 150M": {}, "MAPL r32 150M": mapl(32)},
 }
-BASES = {"adapt": ADAPT}
+BASES = {"adapt": ADAPT, "150m": SCALE150}
 ALIASES = {"spel r32": "MAPL r32", "anchor factorized r32": "MAPL r32"}
 
 
