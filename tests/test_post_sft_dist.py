@@ -49,7 +49,8 @@ def test_dist_equals_sim_after_sft(case, tmp_path, one_thread):  # noqa: F811
 
 ANCHOR_CASES = {
     "gspo": lambda p: gspo_sets(prompts_file(p), **{"boundary.kind": "mask", "boundary.p": 0.9, "mesh.anchor": 1,
-                                                     "anchor.staleness": 1, "anchor.push_rank": 2, "train.steps": 3}),
+                                                     "anchor.staleness": 1, "anchor.push_rank": 2, "train.steps": 3,
+                                                     "rl.kl_beta": 0.05}),  # reference log-probs travel too
     "dpo": lambda p: dpo_sets(pairs_file(p), **{"boundary.kind": "mask", "boundary.p": 0.9, "mesh.anchor": 1,
                                                  "anchor.staleness": 1, "train.steps": 3}),
 }

@@ -298,3 +298,25 @@ def test_lora_dropout_is_refused_with_the_objectives(tmp_path):
     for sets in (gspo_sets(prompts_file(tmp_path)), dpo_sets(pairs_file(tmp_path))):
         with pytest.raises(ConfigError, match="train.lora.dropout"):
             config(**sets, **{"train.lora.rank": 4, "train.lora.dropout": 0.1})
+
+
+def test_anchor_rows_round_trip_and_a_peers_bad_rows_are_refused():
+    """What a pull carries for DPO's / GSPO's anchor pass (objective/pipe.py): the contexts come back with their
+    tensors and loss scale exactly; rows that are not what pack_rows writes are refused before any use."""
+    from thinpipe.comm.header import PayloadError
+    from thinpipe.objective.pipe import check_rows, chunk_contexts, pack_rows, rollout_rows, unpack_rows
+
+    batch = rollout_rows([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], 0)
+    ctxs = chunk_contexts(batch, 1, 3, 0, 1.0 / 3)
+    rows = pack_rows(ctxs, {"advantages": torch.tensor([0.5, -0.5])})
+    check_rows(rows, ("advantages",), 2, 8, 32)
+    back = unpack_rows(rows, 3, 1, "cpu", None)
+    assert [c.loss_scale for c in back] == [1.0 / 3] * 2 and back[1].extras["advantages"].tolist() == [-0.5]
+    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attn_mask, b.attn_mask)
+               for a, b in zip(ctxs, back))
+    for bad in ({**rows, "input_ids": rows["input_ids"] + 40},           # token ids past the vocabulary
+                {**rows, "extra": torch.zeros(2)},                        # a tensor it never sends
+                {**rows, "advantages": torch.zeros(3)},                   # per-row tensors of other rows
+                {**rows, "layout": torch.tensor([3, 0])}):                # microbatches that do not divide the rows
+        with pytest.raises(PayloadError):
+            check_rows(bad, ("advantages",), 2, 8, 32)

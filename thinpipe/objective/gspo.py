@@ -247,8 +247,10 @@ class Gspo:
         where this process holds no last stage, whose loss alone reads them)."""
         rows = ctxs[0]
         per_row = {"advantages": torch.cat([c.extras["advantages"] for c in rows]).float()}
-        if self.cfg.rl.kl_beta > 0:
-            per_row["ref_logp"] = torch.cat([c.extras["ref_logp"] for c in rows]).float()
+        if self.cfg.rl.kl_beta > 0:  # recorded by the last stage's reference forward alone
+            ref = [c.extras["ref_logp"] if self.pipe.holds_last else
+                   torch.zeros(c.labels.shape[0], c.labels.shape[1] - 1) for c in rows]
+            per_row["ref_logp"] = torch.cat(ref).float()
         return pack_rows(rows, per_row)
 
     def residual_batches(self) -> list[dict]:

@@ -108,19 +108,21 @@ def pack_rows(ctxs: list[MicrobatchContext], per_row: dict[str, torch.Tensor]) -
     dimension the rows'), to rebuild it with ``unpack_rows``; a pull carries them on the real mesh."""
     out = {k: torch.cat([c.input_ids if k == "input_ids" else c.labels if k == "labels" else c.extras[k]
                          for c in ctxs]).cpu() for k in ROW_KEYS}
-    out["rows_per_microbatch"] = torch.tensor([ctxs[0].input_ids.shape[0]], dtype=torch.int64)
-    # the float64 scale's bits (float64 never crosses a link as a float: comm/header.py), exact on arrival
-    out["loss_scale"] = torch.tensor([ctxs[0].loss_scale], dtype=torch.float64).view(torch.int64)
+    # (rows per microbatch, the loss scale's float64 bits): one tensor, as a payload holds at most 8
+    # (comm/payload.py) and a pull carries the step and the weights besides
+    # float64 never crosses a link as a float (comm/header.py): its bits do, exact on arrival
+    scale_bits = torch.tensor([ctxs[0].loss_scale], dtype=torch.float64).view(torch.int64)
+    out["layout"] = torch.cat([torch.tensor([ctxs[0].input_ids.shape[0]], dtype=torch.int64), scale_bits])
     return {**out, **{k: v.detach().cpu() for k, v in per_row.items()}}
 
 
 def unpack_rows(rows: dict[str, torch.Tensor], index: int, tag: int, device, loss_fn) -> list[MicrobatchContext]:
     """``pack_rows``' contexts again, for update ``index`` of replica ``tag`` (the anchor's), ``loss_fn`` their
     loss: every per-row tensor is in each context's ``extras``, sliced to its rows."""
-    n, per = rows["input_ids"].shape[0], int(rows["rows_per_microbatch"][0])
+    n, per = rows["input_ids"].shape[0], int(rows["layout"][0])
     batch = {k: rows[k] for k in ROW_KEYS}
-    ctxs = chunk_contexts(batch, per, index, tag, float(rows["loss_scale"].view(torch.float64)[0]), device=device)
-    extra = [k for k in rows if k not in (*ROW_KEYS, "rows_per_microbatch", "loss_scale")]
+    ctxs = chunk_contexts(batch, per, index, tag, float(rows["layout"][1:].view(torch.float64)[0]), device=device)
+    extra = [k for k in rows if k not in (*ROW_KEYS, "layout")]
     for c, start in zip(ctxs, range(0, n, per)):
         c.loss_fn = loss_fn
         c.extras.update({k: rows[k][start:start + per].to(device) for k in extra})
@@ -131,17 +133,16 @@ def check_rows(rows: dict[str, torch.Tensor], per_row: tuple[str, ...], max_rows
                vocab: int) -> None:
     """Refuse rows a peer sent that are not what ``pack_rows`` writes (``comm/header.py`` bounded their bytes
     before they were allocated; this checks their meaning before anything indexes with them)."""
-    want = {*ROW_KEYS, "rows_per_microbatch", "loss_scale", *per_row}
+    want = {*ROW_KEYS, "layout", *per_row}
     if set(rows) != want:
         raise PayloadError(f"anchor rows: got {sorted(rows)}, expected {sorted(want)}")
     ids = rows["input_ids"]
     n, t = ids.shape if ids.dim() == 2 else (0, 0)
-    per = int(rows["rows_per_microbatch"][0]) if rows["rows_per_microbatch"].numel() == 1 else 0
-    scale = rows["loss_scale"]
+    layout = rows["layout"]
+    per = int(layout[0]) if layout.shape == (2,) and layout.dtype == torch.int64 else 0
     if not (0 < n <= max_rows and 0 < t <= seq_len and 0 < per and n % per == 0 and ids.dtype == torch.int64
             and all(rows[k].shape == ids.shape and rows[k].dtype == torch.int64 for k in ("labels", "segment_ids"))
             and all(rows[k].shape[:1] == (n,) and rows[k].dtype == torch.float32 for k in per_row)
-            and scale.shape == (1,) and scale.dtype == torch.int64 and rows["rows_per_microbatch"].dtype == torch.int64
             and int(ids.min()) >= 0 and int(ids.max()) < vocab and int(rows["labels"].max()) < vocab):
         raise PayloadError(f"anchor rows: {n} rows of {t} tokens in microbatches of {per} do not fit this run "
                            f"(at most {max_rows} rows of {seq_len} tokens, token ids below {vocab})")
