@@ -64,7 +64,10 @@ def test_the_scale_presets_have_app_e1_shapes(name):
     assert n == 2 * 32_000 * hidden + layers * (4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden) + hidden
 
 
-def test_the_bpe_keeps_llamas_special_ids_and_round_trips():
+def test_the_bpe_keeps_llamas_special_ids_and_round_trips(monkeypatch):
+    # tokenizers' Rust thread pool would stay alive in this test worker for the tests after it: train on one thread
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    monkeypatch.setenv("RAYON_NUM_THREADS", "1")
     tok = train_bpe(["The quick brown fox jumps over the lazy dog. 12 + 30 = 42"] * 50, 300)
     assert [tok.token_to_id(s) for s in SPECIAL] == [0, 1, 2, 3]
     text = "the lazy fox: 12 + 30 = 42"
