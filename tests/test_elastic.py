@@ -229,10 +229,15 @@ def test_a_replica_killed_mid_step_is_restarted_and_rejoins_with_its_peers_weigh
     assert [(f["replica"], f["stage"], f["how"]) for f in failed] == [(1, 1, "signal SIGKILL")]
     assert kinds.count("replica_restarted") == 1
     quorums = [(e["members"], e["left"], e["joined"]) for e in events if e["event"] == "quorum"]
-    assert quorums[0] == ([0, 1, 2], [], [0, 1, 2]) and quorums[1] == ([0, 2], [1], [])
-    assert quorums[2] == ([0, 1, 2], [], [1]), quorums
     recovered = [e for e in events if e["event"] == "recovered"]
-    assert len(recovered) == 1 and 3 < recovered[0]["step"] < steps
+    assert quorums[0] == ([0, 1, 2], [], [0, 1, 2]) and len(recovered) == 1
+    if len(quorums) == 1:
+        # the restarted replica was back before the survivors formed a smaller quorum (torchft's timing): it
+        # healed at the step that did not commit, from their committed state, and no step went without it
+        assert recovered[0]["step"] == 3, quorums
+    else:
+        assert quorums[1] == ([0, 2], [1], []) and quorums[2] == ([0, 1, 2], [], [1]), quorums
+        assert 3 < recovered[0]["step"] < steps
     # the survivors trained every step without a stop (step 3 redone once), replica 1 again from its recovery on
     for survivor in ("replica0", "replica2"):
         assert [r["step"] for r in rows(out / survivor / "metrics.jsonl")] == list(range(steps))
