@@ -162,39 +162,35 @@ class AnchorFeed:
         self.staleness_seen += [step - a.produced_step for a in take]
         return [a.grads for a in take]
 
-    def checkpoint(self, step: int, complete: int) -> dict:
-        """This rank's side of the checkpoint of ``step`` (module docstring): replica 0 sends the marker
-        after its pulls; every replica takes pushes until the anchor's acknowledgement. ``complete``:
-        the newest set every rank holds (the anchor drops its older parts as the fast ranks did)."""
+    def _marker(self, tensors: dict, acknowledged) -> None:
+        """Replica 0 sends a pull-link marker after its pulls; every replica takes pushes until
+        ``acknowledged()`` (the anchor's answer to it, or the anchor ended)."""
         t0 = time.perf_counter()
         if self.replica == 0:
             while self._take(block=False):
                 pass
             if not self.ended:
                 self.flush()
-                self._send_pull({"step": torch.tensor([CHECKPOINT]), "at": torch.tensor([step]),
-                                 "complete": torch.tensor([complete])}, None)
-        while not self.ended and self.acked < step:
+                self._send_pull(tensors, None)
+        while not self.ended and not acknowledged():
             self._take(block=True)
         self.wait_s += time.perf_counter() - t0
+
+    def checkpoint(self, step: int, complete: int) -> dict:
+        """This rank's side of the checkpoint of ``step`` (module docstring): the CHECKPOINT marker, then pushes
+        until the anchor's acknowledgement. ``complete``: the newest set every rank holds (the anchor drops its
+        older parts as the fast ranks did)."""
+        self._marker({"step": torch.tensor([CHECKPOINT]), "at": torch.tensor([step]),
+                      "complete": torch.tensor([complete])}, lambda: self.acked >= step)
         return self.state_dict()
 
     def rollback(self, step: int) -> None:
-        """Back to the checkpoint of ``step`` (``dist_rank.py``'s module docstring): replica 0 sends the marker
-        after its pulls; every replica drops pushes until the anchor's acknowledgement. The caller then loads
-        this rank's part (``load_state_dict``)."""
+        """Back to the checkpoint of ``step`` (``dist_rank.py``'s module docstring): the ROLLBACK marker, then
+        pushes dropped until the anchor's acknowledgement. The caller then loads this rank's part
+        (``load_state_dict``)."""
         self.rollbacks += 1
-        t0 = time.perf_counter()
-        if self.replica == 0:
-            while self._take(block=False):
-                pass
-            if not self.ended:
-                self.flush()
-                self._send_pull({"step": torch.tensor([ROLLBACK]), "at": torch.tensor([step]),
-                                 "n": torch.tensor([self.rollbacks])}, None)
-        while not self.ended and self.rolled_back < self.rollbacks:
-            self._take(block=True)
-        self.wait_s += time.perf_counter() - t0
+        self._marker({"step": torch.tensor([ROLLBACK]), "at": torch.tensor([step]),
+                      "n": torch.tensor([self.rollbacks])}, lambda: self.rolled_back >= self.rollbacks)
 
     def state_dict(self) -> dict:
         return {"ready": [(a.produced_step, a.grads) for a in self.ready], "staleness_seen": list(self.staleness_seen),
