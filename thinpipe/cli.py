@@ -1,5 +1,5 @@
 """The one command line: ``thinpipe train | launch | plan | bench | probe | eval | generate | compare | export | prune |
-analyze | keygen | demo``.
+analyze | recipes | keygen | demo``.
 
 User errors (bad keys, types, values, paths, names) end with one line ``error: ...`` saying what is
 wrong and how to fix it, and exit code 2, before any model or data is loaded.
@@ -25,6 +25,7 @@ from thinpipe.commands import (
     plan,
     probe,
     prune,
+    recipes,
     train,
 )
 from thinpipe.commands.common import EXIT_DIVERGED, EXIT_USAGE, Parser
@@ -37,7 +38,8 @@ from thinpipe.plugins import PluginError, load_plugins
 __all__ = ["COMMANDS", "EXIT_DIVERGED", "EXIT_USAGE", "Parser", "build_parser", "main"]
 
 # in the order of `thinpipe --help`
-COMMANDS = [train, launch, plan, bench, evaluate, generate, export, prune, analyze, probe, compare, keygen, demo]
+COMMANDS = [train, launch, plan, bench, evaluate, generate, export, prune, analyze, probe, compare, recipes, keygen,
+            demo]
 
 
 def build_parser() -> Parser:

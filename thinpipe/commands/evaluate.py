@@ -14,13 +14,19 @@ from thinpipe.config import ConfigError
 from thinpipe.runlock import check_out_path
 
 NAME = "eval"
-HELP = "multiple-choice (lm-eval formats), generative (gsm8k, humaneval, mbpp) and perplexity evaluation"
+HELP = "multiple-choice, generative (gsm8k, humaneval, mbpp), perplexity, and any lm-eval task (--harness)"
 
 
 def add_arguments(e: argparse.ArgumentParser) -> None:
     e.add_argument("--model", default="default", help="default | preset | HF folder | thinpipe run folder")
+    e.add_argument("--run", help="a thinpipe run folder (the same as --model RUN): its stages and boundaries")
     e.add_argument("--tasks", help="comma-separated, e.g. arc_easy,piqa,hellaswag or gsm8k,humaneval,mbpp "
-                                   "(optional with --perplexity)")
+                                   "(optional with --harness or --perplexity)")
+    e.add_argument("--harness", metavar="TASKS",
+                   help="lm-evaluation-harness tasks through the mesh, comma-separated: any task lm-eval lists, "
+                        "thinpipe_medmcqa, thinpipe_xsum, thinpipe_narrativeqa (offline), or yours (--harness-include)")
+    e.add_argument("--harness-include", metavar="DIR", help="a folder of lm-eval task YAMLs (lm-eval's include_path)")
+    e.add_argument("--num-fewshot", type=int, default=None, help="--harness: few-shot examples (default: the task's)")
     e.add_argument("--perplexity", metavar="FILE",
                    help="JSONL of {\"text\": ...} rows: each row's summed next-token NLL through the mesh's "
                         "held-out pass (its stages; a run's boundaries)")
@@ -42,11 +48,23 @@ def run(args) -> int:
 
     from thinpipe.eval.generative import GENERATIVE
 
-    if args.tasks is None and not args.perplexity:
-        raise ConfigError("give --tasks (e.g. --tasks arc_easy,piqa or --tasks gsm8k) or --perplexity FILE")
+    if args.run:
+        if args.model != "default":
+            raise ConfigError("give --model or --run, not both: a run folder holds its own model")
+        from thinpipe.commands.preflight import check_run
+
+        check_run(Path(args.run))
+        args.model = args.run
+    if args.harness_include is not None and args.harness is None:
+        raise ConfigError("--harness-include names task YAMLs for --harness: give --harness TASKS too")
+    if args.tasks is None and not args.perplexity and args.harness is None:
+        raise ConfigError("give --tasks (e.g. --tasks arc_easy,piqa or --tasks gsm8k), --harness TASKS or "
+                          "--perplexity FILE")
     tasks = [t.strip() for t in (args.tasks or "").split(",") if t.strip()]
-    if not tasks and not args.perplexity:
+    if not tasks and not args.perplexity and args.harness is None:
         raise ConfigError("--tasks is empty: give e.g. --tasks arc_easy,piqa or --tasks gsm8k")
+    if args.num_fewshot is not None and (args.harness is None or args.num_fewshot < 0):
+        raise ConfigError("--num-fewshot N (N >= 0) applies to --harness tasks")
     validate_tasks([t for t in tasks if t not in GENERATIVE], extra=sorted(GENERATIVE))
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {args.limit}")
@@ -66,8 +84,15 @@ def run(args) -> int:
         texts = read_texts(args.perplexity)  # a bad file is one line before any model loads
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-    logits_fn, tokenizer, generate_batch, mesh = _eval_model(args.model, args.device, args.set,
-                                                              need_mesh=texts is not None)
+    harness = None
+    if args.harness is not None:
+        from thinpipe.eval.harness import MeshLM  # lm-eval: imported only for --harness
+        from thinpipe.eval.harness_tasks import harness_tasks
+
+        harness = harness_tasks(args.harness, args.harness_include)  # unknown tasks: one line, before any model
+    # the harness runs on thinpipe's stages: a model alone becomes a one-stage mesh
+    logits_fn, tokenizer, generate_batch, mesh, model_config = _eval_model(
+        args.model, args.device, args.set, need_mesh=texts is not None or harness is not None)
     from thinpipe.eval import evaluate_mc
     from thinpipe.eval.generative import evaluate_generative
 
@@ -84,6 +109,10 @@ def run(args) -> int:
                 results.append(evaluate_mc(logits_fn, tokenizer, t, limit=args.limit, batch_size=args.batch_size))
     if args.samples:
         Path(args.samples).write_text(json.dumps(results, indent=2))
+    if harness is not None:
+        lm = MeshLM(logits_fn, tokenizer, generate_batch.ids, model_config, batch_size=args.batch_size,
+                    gen_batch_size=args.gen_batch_size)
+        return _print_harness(_run_harness(harness, lm, mesh, args), results, args)
     if args.json:
         records = [{k: v for k, v in r.items() if k != "samples"} for r in results]
         # --perplexity alone: one object with its keys at the top; with tasks: the list, perplexity first
@@ -101,6 +130,49 @@ def run(args) -> int:
             else:
                 print(f"{r['task']:<16}{r['n']:>6}{'acc':>13}{r['acc']:>9.4f}{r['acc_stderr']:>9.4f}")
                 print(f"{'':<16}{'':>6}{'acc_norm':>13}{r['acc_norm']:>9.4f}{r['acc_norm_stderr']:>9.4f}")
+    return 0
+
+
+def _run_harness(harness: tuple[list[str], list[str]], lm, mesh, args) -> dict:
+    """lm-eval's ``simple_evaluate`` of the tasks on ``lm``, a ``MeshLM`` (``eval/harness.py``): logits through
+    the mesh's stages (a run's boundaries where they are part of its model), greedy generation on its KV-cached
+    stages."""
+    from lm_eval import simple_evaluate
+
+    from thinpipe.eval.harness import finite
+    from thinpipe.eval.harness_tasks import task_manager
+
+    tasks, paths = harness
+    try:
+        out = simple_evaluate(model=lm, tasks=tasks, task_manager=task_manager(tuple(paths)), limit=args.limit,
+                              num_fewshot=args.num_fewshot, log_samples=False, random_seed=0, numpy_random_seed=0,
+                              torch_random_seed=0, fewshot_random_seed=0)
+    except (ConnectionError, FileNotFoundError) as e:  # a task's rows: on the hub (no network) or not on disk
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"--harness: a task's data could not be loaded ({why}): on a machine without the hub, give "
+                          "a task YAML whose dataset is local files (dataset_path: json, data_files with absolute "
+                          "paths) through --harness-include, or a built-in thinpipe_* task") from None
+    return finite({"results": out["results"], "n-samples": out.get("n-samples", {}),
+                   "versions": out.get("versions", {}), "model": args.model, "pp": mesh.cfg.mesh.pp})
+
+
+def _print_harness(out: dict, records: list[dict], args) -> int:
+    if records:  # --tasks / --perplexity beside --harness: their records in the same object
+        out["thinpipe"] = [{k: v for k, v in r.items() if k != "samples"} for r in records]
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{'task':<28}{'metric':>22}{'value':>10}{'stderr':>10}")
+    for task, metrics in out["results"].items():
+        for key, value in metrics.items():
+            if "_stderr" in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            name, _, filt = key.partition(",")
+            stderr = metrics.get(f"{name}_stderr,{filt}")
+            shown = f"{stderr:.4f}" if isinstance(stderr, float) else ""
+            print(f"{task:<28}{key:>22}{value:>10.4f}{shown:>10}")
+    for r in records:
+        print(f"{r['task']}: {json.dumps({k: v for k, v in r.items() if k not in ('task', 'samples')})}")
     return 0
 
 
@@ -123,7 +195,7 @@ def _perplexity(mesh, tokenizer, texts: list[str], args) -> dict:
 
 def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh: bool = False):
     """``default`` / a preset / a model folder / a thinpipe run folder -> (logits_fn, tokenizer,
-    generate_batch, mesh or None).
+    generate_batch, mesh or None, the model's Hugging Face config).
 
     A run folder, or a model with ``sets`` (``--set mesh.pp=2`` splits it) or ``need_mesh`` (perplexity),
     is a simulated mesh: generative tasks run on its stages with a KV cache per stage, batched
@@ -148,34 +220,54 @@ def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh:
             from thinpipe.models.lora import merge_lora
 
             model = merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device).eval()  # as load_run
-            return logits_fn_from_model(model), tokenizer, generate_batch, mesh
-        return mesh.logits, tokenizer, generate_batch, mesh
+            return logits_fn_from_model(model), tokenizer, generate_batch, mesh, loaded.model.config
+        return mesh.logits, tokenizer, generate_batch, mesh, loaded.model.config
     loaded = load_model(DEFAULT_MODEL if model_name is None else model_name)
     loaded.model.to(resolve_device(device)).eval()
     return logits_fn_from_model(loaded.model), loaded.tokenizer, mesh_generator(loaded.tokenizer, model=loaded.model), \
-        None
+        None, loaded.model.config
 
 
-def mesh_generator(tokenizer, mesh=None, model=None):
-    """``generate_batch(prompts, stop, max_new_tokens) -> completions`` of ``evaluate_generative``: greedy,
-    batched, on replica 0 of ``mesh`` or on ``model`` as one stage; prompts as the one-by-one path cuts them
-    (``eval/generative.py: prompt_ids``), completions cut at the first stop string."""
-    from thinpipe.comm import ByteMeter, Mailbox
-    from thinpipe.engine.sim_generate import generate_on_mesh, generate_on_stages
-    from thinpipe.eval.generative import prompt_ids
-    from thinpipe.models import build_stages
-    from thinpipe.rank.generation import Sampling, truncate_completion
+class MeshGenerator:
+    """Greedy, batched generation on replica 0 of ``mesh`` or on ``model`` as one stage. Called with prompts
+    (``evaluate_generative``'s ``generate_batch(prompts, stop, max_new_tokens) -> completions``): prompts as the
+    one-by-one path cuts them (``eval/generative.py: prompt_ids``), completions cut at the first stop string.
+    ``ids``: token ids in, the generated ids out (an EOS dropped), for the harness (``eval/harness.py``)."""
 
-    stages = None if model is None else build_stages(model, None, 1)
-    eos = getattr(tokenizer, "eos_token_id", None)
+    def __init__(self, tokenizer, mesh=None, model=None):
+        from thinpipe.models import build_stages
 
-    def generate_batch(prompts: list[str], stop: list[str], max_new_tokens: int) -> list[str]:
-        sampling = Sampling(max_new_tokens, temperature=0.0, stop=list(stop), eos_ids=[] if eos is None else [eos])
-        ids = [prompt_ids(tokenizer, p, max_new_tokens) for p in prompts]
-        if mesh is not None:
-            outs = generate_on_mesh(mesh, ids, sampling, tokenizer, batch_size=None)
-        else:
-            outs = generate_on_stages(stages, [], Mailbox(ByteMeter()), ids, sampling, tokenizer, batch_size=None)
-        return [truncate_completion(o, tokenizer, sampling) for o in outs]
+        self.tokenizer, self.mesh = tokenizer, mesh
+        self.stages = None if model is None else build_stages(model, None, 1)
+        self.eos = getattr(tokenizer, "eos_token_id", None)
 
-    return generate_batch
+    def _sampling(self, stop: list[str], max_new_tokens: int):
+        from thinpipe.rank.generation import Sampling
+
+        eos_ids = [] if self.eos is None else [self.eos]
+        return Sampling(max_new_tokens, temperature=0.0, stop=list(stop), eos_ids=eos_ids)
+
+    def _generate(self, ids: list[list[int]], sampling) -> list[list[int]]:
+        from thinpipe.comm import ByteMeter, Mailbox
+        from thinpipe.engine.sim_generate import generate_on_mesh, generate_on_stages
+
+        if self.mesh is not None:
+            return generate_on_mesh(self.mesh, ids, sampling, self.tokenizer, batch_size=None)
+        return generate_on_stages(self.stages, [], Mailbox(ByteMeter()), ids, sampling, self.tokenizer, batch_size=None)
+
+    def __call__(self, prompts: list[str], stop: list[str], max_new_tokens: int) -> list[str]:
+        from thinpipe.eval.generative import prompt_ids
+        from thinpipe.rank.generation import truncate_completion
+
+        sampling = self._sampling(stop, max_new_tokens)
+        outs = self._generate([prompt_ids(self.tokenizer, p, max_new_tokens) for p in prompts], sampling)
+        return [truncate_completion(o, self.tokenizer, sampling) for o in outs]
+
+    def ids(self, ids: list[list[int]], stop: list[str], max_new_tokens: int) -> list[list[int]]:
+        outs = self._generate([list(x) for x in ids], self._sampling(stop, max_new_tokens))
+        return [o[:-1] if o and o[-1] == self.eos else o for o in outs]
+
+
+def mesh_generator(tokenizer, mesh=None, model=None) -> MeshGenerator:
+    """``generate_batch`` of ``evaluate_generative`` on ``mesh`` or ``model`` (``MeshGenerator``)."""
+    return MeshGenerator(tokenizer, mesh=mesh, model=model)

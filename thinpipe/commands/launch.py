@@ -78,11 +78,12 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
     args = train_args(rest)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config")
+    p.add_argument("--recipe")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--out")
     p.add_argument("--resume", action="store_true")
     known, _ = p.parse_known_args(args[1:])
-    cfg = load_config(known.config, known.set)
+    cfg = load_config(known.config, known.set, recipe=known.recipe)
     layout = MeshLayout(cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.anchor)
     layout.check_world(nproc)  # before starting (or building) anything
     # the job's folder lock (runlock.py), held here for the ranks: they inherit its name and are not refused

@@ -17,6 +17,8 @@ HELP = "predict step time, tokens/s, bytes and anchor staleness (paper App. H, J
 
 def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--preset", help="a deployment preset, e.g. paper-llama1b")
+    pl.add_argument("--recipe", metavar="NAME", help="a shipped system to start from (`thinpipe recipes` lists them); "
+                        "--config and --set override it")
     pl.add_argument("--config", help="TOML config file")
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. boundary.p=0.95")
     pl.add_argument("--device", help="a100-40gb | h100 | rtx-4090 (data sheet) | cpu | cuda | cuda:N (measured here, "
@@ -52,7 +54,7 @@ def run(args) -> int:
         if args.preset not in PRESETS:
             raise ConfigError(f"unknown preset {args.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
         sets = [f"{k}={v}" for k, v in PRESETS[args.preset].items()]
-    cfg = load_config(args.config, sets + args.set)
+    cfg = load_config(args.config, sets + args.set, recipe=args.recipe)
     name = args.device or PRESET_DEVICE.get(args.preset, "a100-40gb")
     if cfg.train.dtype == "auto":  # as a run resolves it: bf16 on a GPU, fp32 on the CPU
         cfg.train.dtype = "float32" if name == "cpu" else "bfloat16"

@@ -16,6 +16,8 @@ HELP = "train on the simulated mesh"
 
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--recipe", metavar="NAME", help="a shipped system to start from (`thinpipe recipes` lists them); "
+                        "--config and --set override it")
     t.add_argument("--config", help="TOML config file")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. mesh.pp=4")
     t.add_argument("--out", required=True, help="run folder (config, metrics, summary, plot, checkpoint)")
@@ -32,7 +34,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, args.set)
+    cfg = load_config(args.config, args.set, recipe=args.recipe)
     out = Path(args.out)
     if args.engine != "elastic":  # an elastic job's folder is its launcher's to claim (replicas write sub-folders)
         check_out(out, args.resume, args.overwrite)

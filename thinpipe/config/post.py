@@ -9,6 +9,15 @@ from thinpipe.config.boundary import ARCHITECTURAL_KINDS
 from thinpipe.config.errors import ConfigError
 
 OBJECTIVES = ("sft", "dpo", "gspo")
+# Each objective's own optimizer settings, taken unless the user's --config / --set gives the key (load_config).
+# SFT's are the [train] defaults (anchor-priors App. I.3). GSPO: anchor-priors App. D.5 (AdamW 1e-6, weight
+# decay 0.1, clip 1.0, warm-up 5%). DPO: the paper gives none; TRL's DPOConfig (learning_rate 1e-6 over
+# transformers' TrainingArguments: weight_decay 0, max_grad_norm 1.0, no warm-up), the trainer the peer tests
+# check thinpipe's DPO loss against (tests/test_trl_peer.py).
+OBJECTIVE_DEFAULTS: dict[str, dict[str, float]] = {
+    "gspo": {"train.lr": 1e-6, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.warmup_ratio": 0.05},
+    "dpo": {"train.lr": 1e-6, "train.weight_decay": 0.0, "train.grad_clip": 1.0, "train.warmup_ratio": 0.0},
+}
 
 
 @dataclass(kw_only=True, slots=True)

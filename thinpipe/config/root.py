@@ -26,7 +26,8 @@ from thinpipe.config.errors import ConfigError
 from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
-from thinpipe.config.post import DPOConfig, RLConfig, check_objective
+from thinpipe.config.post import OBJECTIVE_DEFAULTS, DPOConfig, RLConfig, check_objective
+from thinpipe.config.recipe import recipe_path
 from thinpipe.config.train import DiagConfig, EvalConfig, TrainConfig
 from thinpipe.config.wire import WireConfig
 
@@ -158,12 +159,14 @@ def _suggest(word: str, options: list[str]) -> str:
 
 
 def apply_overrides(cfg: Config, values: dict[str, Any], source: str = "--set",
-                    warned: set[str] | None = None) -> Config:
+                    warned: set[str] | None = None, given: set[str] | None = None) -> Config:
     """Apply ``{"section.key": value}`` (flat, dotted, nested sections allowed) overrides in place, type-checked.
 
     Deprecated keys (``aliases.py``) are renamed, with one warning line each on stderr (once per key
-    across calls sharing ``warned``)."""
+    across calls sharing ``warned``); ``given`` collects the (renamed) keys set."""
     for dotted, value in rename_deprecated(values, source, warned).items():
+        if given is not None:
+            given.add(dotted)
         if "." not in dotted:
             raise ConfigError(f"{source}: key {dotted!r} must be dotted as section.key, e.g. train.steps")
         obj, parts = cfg, dotted.split(".")
@@ -195,9 +198,36 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None = None, sets: list[str] | None = None) -> Config:
-    """Defaults <- TOML file <- ``key=value`` strings; validated."""
-    cfg, warned = Config(), set()
+def _read_toml(path: Path) -> dict[str, Any]:
+    """A TOML file's keys, flat and dotted; every way it can be unreadable is one line."""
+    try:
+        return _flatten(tomllib.loads(path.read_bytes().decode("utf-8-sig")))  # a BOM (Notepad) is fine
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror}): check its "
+                          "permissions") from None
+    except UnicodeDecodeError as e:  # TOML is UTF-8 (toml.io); e.g. a file saved as Latin-1 or UTF-16
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start + 1}): save it as "
+                          "UTF-8") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests tables or arrays thousands deep: a thinpipe config "
+                          "has sections, keys and flat lists") from None
+    except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {why}") from None
+
+
+def load_config(path: str | Path | None = None, sets: list[str] | None = None, recipe: str | None = None) -> Config:
+    """Defaults <- recipe (``config/recipes/``) <- TOML file <- ``key=value`` strings; validated.
+
+    Then ``train.objective``'s own optimizer defaults (``config/post.py: OBJECTIVE_DEFAULTS``: GSPO's App. D.5,
+    DPO's TRL ones) replace every one of their keys that the TOML file and the strings leave unset (a recipe's
+    values included: a recipe describes a system, the objective how it is optimised)."""
+    cfg, warned, given = Config(), set(), set()
+    if recipe is not None:
+        if not recipe.strip():
+            raise ConfigError("--recipe is empty: give a recipe name (`thinpipe recipes` lists them)")
+        file = recipe_path(recipe.strip())
+        apply_overrides(cfg, _read_toml(file), source=f"recipe {recipe.strip()}", warned=warned)
     if path is not None:
         if not str(path).strip():  # Path("") is the current folder
             raise ConfigError("--config is empty: give the path of a TOML file, or leave --config out")
@@ -206,26 +236,14 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None) -
             raise ConfigError(f"config file {str(path)!r} is a folder: give the TOML file in it to --config")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found: check the path given to --config")
-        try:
-            data = _flatten(tomllib.loads(path.read_bytes().decode("utf-8-sig")))  # a BOM (Notepad) is fine
-        except OSError as e:
-            raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror}): check its "
-                              "permissions") from None
-        except UnicodeDecodeError as e:  # TOML is UTF-8 (toml.io); e.g. a file saved as Latin-1 or UTF-16
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {e.start + 1}): save it as "
-                              "UTF-8") from None
-        except RecursionError:
-            raise ConfigError(f"config file {str(path)!r} nests tables or arrays thousands deep: a thinpipe config "
-                              "has sections, keys and flat lists") from None
-        except ValueError as e:  # TOMLDecodeError, or an integer of more than 4300 digits
-            why = (str(e).splitlines() or [type(e).__name__])[0]
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {why}") from None
-        apply_overrides(cfg, data, source=str(path), warned=warned)
+        apply_overrides(cfg, _read_toml(path), source=str(path), warned=warned, given=given)
     overrides: dict[str, Any] = {}
     for item in sets or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set train.steps=10")
         k, v = item.split("=", 1)
         overrides[k.strip()] = v
-    apply_overrides(cfg, overrides, warned=warned)
+    apply_overrides(cfg, overrides, warned=warned, given=given)
+    defaults = {k: v for k, v in OBJECTIVE_DEFAULTS.get(cfg.train.objective, {}).items() if k not in given}
+    apply_overrides(cfg, defaults, source=f"train.objective = {cfg.train.objective}'s defaults")
     return cfg.validate()

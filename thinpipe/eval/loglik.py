@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["LogitsFn", "encode_pair", "score_requests", "logits_fn_from_model"]
+__all__ = ["LogitsFn", "encode_pair", "score_requests", "score_token_pairs", "logits_fn_from_model"]
 
 LogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -99,18 +99,42 @@ def score_requests(
     if max_len < 1:
         raise ValueError("max_len must be >= 1")
 
-    # 1. tokenize; the model input of request k is inps[k], its scored targets conts[k].
-    inps: list[tuple[int, ...]] = []
-    conts: list[list[int]] = []
-    for ctx, cont in requests:
-        c_ids, k_ids = encode_pair(tokenizer, ctx, cont, add_bos_token)
+    pairs = [encode_pair(tokenizer, ctx, cont, add_bos_token) for ctx, cont in requests]
+    for (ctx, cont), (_, k_ids) in zip(requests, pairs):
         if not k_ids:
             raise ValueError(f"continuation {cont!r} encodes to no tokens (context {ctx[-40:]!r})")
+    return score_token_pairs(logits_fn, pairs, batch_size, max_len, progress, pad_token_id=pad_token_id,
+                             device=device, desc=desc)
+
+
+def score_token_pairs(
+    logits_fn: LogitsFn,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    batch_size: int = 16,
+    max_len: int = 2048,
+    progress: bool = True,
+    *,
+    pad_token_id: int = 0,
+    device: torch.device | str | None = None,
+    desc: str = "loglikelihood",
+) -> list[tuple[float, bool]]:
+    """(sum of continuation log-probs, is_greedy) for each (context ids, continuation ids) pair: what
+    ``score_requests`` does after tokenizing, and lm-eval's ``_loglikelihood_tokens`` (``eval/harness.py``)."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be >= 1")
+    if max_len < 1:
+        raise ValueError("max_len must be >= 1")
+    # 1. the model input of request k is inps[k], its scored targets conts[k].
+    inps: list[tuple[int, ...]] = []
+    conts: list[list[int]] = []
+    for c_ids, k_ids in pairs:
+        if not k_ids:
+            raise ValueError("a continuation of no tokens has no log-likelihood")
         if len(k_ids) > max_len:
             raise ValueError(f"continuation of {len(k_ids)} tokens exceeds max_len={max_len}")
-        full = (c_ids + k_ids)[-(max_len + 1):][:-1]
+        full = (list(c_ids) + list(k_ids))[-(max_len + 1):][:-1]
         inps.append(tuple(full))
-        conts.append(k_ids)
+        conts.append(list(k_ids))
 
     # 2. unique model inputs, longest first (ties broken by tokens, as lm-eval's collator).
     uniq: dict[tuple[int, ...], list[int]] = {}
@@ -118,12 +142,12 @@ def score_requests(
         uniq.setdefault(inp, []).append(k)
     order = sorted(uniq, key=lambda t: (-len(t), t))
 
-    results: list[tuple[float, bool] | None] = [None] * len(requests)
+    results: list[tuple[float, bool] | None] = [None] * len(pairs)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(requests), desc=desc, unit="req", dynamic_ncols=True)
+        bar = tqdm(total=len(pairs), desc=desc, unit="req", dynamic_ncols=True)
     try:
         with torch.inference_mode():
             for b0 in range(0, len(order), batch_size):
