@@ -83,7 +83,7 @@ def test_gspo_defaults_are_app_d5():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["anchor-priors", "mapl", "best-quality"])
+@pytest.mark.parametrize("name", recipe_names())
 def test_each_recipe_trains_and_writes_its_settings_into_the_runs_config(name, tmp_path):
     """Every shipped recipe trains (on a tiny model: a recipe is a system, not a model) and its values are in the
     run's resolved config.toml."""

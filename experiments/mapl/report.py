@@ -20,7 +20,8 @@ from arms import arm_dir, load_results, save_figure  # noqa: E402
 from run import ALIASES, SUITES  # noqa: E402
 
 # Table 1's reference for each suite (its own model, P and recipe).
-REFERENCE = {"main": "Uncompressed", "table5": "Uncompressed", "table6": "Uncompressed", "p8": "Uncompressed P8"}
+REFERENCE = {"main": "Uncompressed", "table5": "Uncompressed", "table6": "Uncompressed", "p8": "Uncompressed P8",
+             "150m": "Uncompressed 150M"}
 EXTRA = {"table5": ["spel r32"], "table6": ["anchor factorized r32"]}
 # The adaptation suite uses the anchor-priors recipe exactly: its Dense and masking arms are the
 # comparison at equal PP bytes (M95: 29 values per token and direction; MAPL r = 28 + token ids).

@@ -162,15 +162,15 @@ def _print_harness(out: dict, records: list[dict], args) -> int:
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{'task':<28}{'metric':>22}{'value':>10}{'stderr':>10}")
+    print(f"{'task':<28}{'metric (lm-eval name)':>26}{'value':>12}{'stderr':>10}")
     for task, metrics in out["results"].items():
-        for key, value in metrics.items():
-            if "_stderr" in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+        for key, value in metrics.items():  # "acc,none": a metric and its filter; "name", "sample_len": not
+            if "," not in key or "_stderr" in key or not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             name, _, filt = key.partition(",")
             stderr = metrics.get(f"{name}_stderr,{filt}")
             shown = f"{stderr:.4f}" if isinstance(stderr, float) else ""
-            print(f"{task:<28}{key:>22}{value:>10.4f}{shown:>10}")
+            print(f"{task:<28}{key:>26}{value:>12.6g}{shown:>10}")
     for r in records:
         print(f"{r['task']}: {json.dumps({k: v for k, v in r.items() if k not in ('task', 'samples')})}")
     return 0

@@ -27,7 +27,7 @@ def recipe_path(name: str) -> Path:
     if name not in names:
         close = difflib.get_close_matches(name, names, n=1)
         hint = f"did you mean {close[0]}?" if close else f"choose one of {', '.join(names)}"
-        raise ConfigError(f"--recipe {name!r} is not a recipe: {hint} (`thinpipe recipes` lists them)")
+        raise ConfigError(f"{name!r} is not a recipe: {hint} (`thinpipe recipes` lists them)")
     return RECIPES_DIR / f"{name}.toml"
 
 

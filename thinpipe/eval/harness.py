@@ -70,7 +70,7 @@ class MeshLM(TemplateLM):
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None,
                    **kwargs) -> list[int]:
         kw = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode(self.prefix_token_id)):
+        if add_special_tokens is None and has_bos_prefix(string, self.tokenizer.decode([self.prefix_token_id])):
             kw = {"add_special_tokens": False}  # HFLM: a string that starts with BOS gets no second one
         ids = list(self.tokenizer.encode(string, **kw))
         return ids[-left_truncate_len:] if left_truncate_len else ids
@@ -112,7 +112,7 @@ class MeshLM(TemplateLM):
                 raise ConfigError(f"task {requests[members[0]].task_name} samples its generations (do_sample / "
                                   "temperature > 0): thinpipe eval --harness decodes greedily; give the task "
                                   "do_sample: false in its generation_kwargs")
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+            until = [u for u in handle_stop_sequences(kwargs.pop("until", None), eos=eos) if u]  # "" stops nothing
             max_gen = kwargs.pop("max_gen_toks")
             if max_gen >= self.max_length:
                 raise ConfigError(f"max_gen_toks = {max_gen} leaves no room for a prompt in the model's "

