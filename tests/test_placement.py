@@ -60,6 +60,7 @@ def test_a_bad_device_is_a_config_error(value):
         config(train__device=value)
 
 
+@pytest.mark.slow  # a whole CLI process (torch, thinpipe, a model): 4-9 s here, by load
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
 def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "thinpipe", "train", "--out", str(tmp_path / "r"), "--quiet",

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # A file path: optional folders, a name, an extension we track. Not preceded by a word, '/', '.' or '-',
@@ -102,6 +104,7 @@ sys.exit(1 if failed else 0)
 """
 
 
+@pytest.mark.slow  # one process importing ~40 scripts: 4-11 s here, by load
 def test_every_script_imports():
     """Importing each script (its ``main`` guarded by ``__name__``) resolves every thinpipe name it uses."""
     r = subprocess.run([sys.executable, "-c", IMPORT_ALL, *map(str, SCRIPTS)], cwd=ROOT, capture_output=True,
