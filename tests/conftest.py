@@ -16,6 +16,13 @@ _SPENT = pytest.StashKey[float]()  # a test's setup + call seconds so far
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+    # Native thread pools that outlive the test that started them stay in the worker for every later test file:
+    # tokenizers' Rust pool (a BPE trained by a test) and Arrow's (datasets, lm-eval). Twice a worker aborted
+    # natively in a later file's torch.cdist ("Fatal Python error: Aborted" from a thread with no Python frame),
+    # each time after a file that trained a BPE: one thread each, set before any of them starts.
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def is_fast(item) -> bool:
