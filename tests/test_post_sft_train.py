@@ -116,6 +116,12 @@ def test_dpo_starts_at_log_2_with_dense_boundaries_and_its_reference_is_the_star
     loss = engine.train_step(0)
     assert abs(loss - math.log(2)) < 1e-6
     assert engine.step_metrics()["dpo_margin"] == pytest.approx(0.0, abs=1e-6)
+    # held out, before any update: the same forward gives the reference, so every margin is exactly 0 (a tie is
+    # not a win)
+    fresh = SimEngine(config(**sets))
+    fresh.residual_start()
+    assert fresh.validation_loss() == pytest.approx(math.log(2), abs=1e-6)
+    assert fresh.validation_metrics() == {"val_dpo_accuracy": 0.0, "val_dpo_margin": 0.0}
 
 
 def test_dpo_trains_and_writes_its_metrics(tmp_path):
@@ -123,6 +129,9 @@ def test_dpo_trains_and_writes_its_metrics(tmp_path):
     assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
     got = rows(tmp_path / "run")
     assert all({"dpo_margin", "dpo_accuracy"} <= set(r) for r in got) and "val_loss" in got[3]
+    assert 0 <= got[3]["val_dpo_accuracy"] <= 1 and "val_dpo_margin" in got[3]
+    s = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert 0 <= s["final_val_dpo_accuracy"] <= 1 and math.isfinite(s["final_val_dpo_margin"])
     assert got[-1]["loss"] < got[0]["loss"] and got[-1]["dpo_margin"] > 0
 
 

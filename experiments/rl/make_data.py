@@ -11,6 +11,9 @@ template never appear in two files, whatever the names and objects:
     data/sft.jsonl       {"prompt", "completion"}  worked solution ending "The answer is N."
     data/rl_train.jsonl  {"prompt", "answer"}      the GSPO prompts
     data/heldout.jsonl   {"prompt", "answer"}      never trained on (greedy accuracy)
+    data/dpo_train.jsonl {"prompt", "chosen", "rejected"}  SFT-split problems: the right solution vs a slip in
+                                                           its last step (a wrong final number)
+    data/dpo_heldout.jsonl  the same for the held-out problems (held-out preference accuracy)
 
 The prompt asks for the closing "The answer is N." so that ``thinpipe.eval.generative.gsm8k_extract``
 (the number after "The answer is", else the last number) reads the answer. Deterministic from
@@ -210,6 +213,29 @@ def make_problems(n: int, seed: int) -> list[dict]:
     return out
 
 
+def slipped(problem: dict, rng: random.Random) -> tuple[str, int]:
+    """The problem's worked solution with an arithmetic slip in its last step (the final result off by 1-3 or 10,
+    never negative), and the wrong answer it then states: the rejected side of a DPO pair."""
+    sol, right = problem["solution"], problem["answer"]
+    while True:
+        wrong = right + rng.choice([-10, -3, -2, -1, 1, 2, 3, 10])
+        if wrong >= 0:
+            break
+    cut = sol.rindex(f"= {right}")  # the last step's result
+    return sol[:cut] + f"= {wrong}" + sol[cut + len(f"= {right}"):], wrong
+
+
+def dpo_pairs(problems: list[dict], seed: int) -> list[dict]:
+    """TRL's preference format: the prompt, the right worked solution (chosen) and the same one with a slip."""
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        bad, wrong = slipped(p, rng)
+        out.append({"prompt": prompt_of(p["problem"]), "chosen": f"{p['solution']} The answer is {p['answer']}.",
+                    "rejected": f"{bad} The answer is {wrong}.", "template": p["template"]})
+    return out
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -222,6 +248,7 @@ def main() -> int:
     ap.add_argument("--sft", type=int, default=2000)
     ap.add_argument("--rl", type=int, default=1000)
     ap.add_argument("--heldout", type=int, default=300)
+    ap.add_argument("--dpo", type=int, default=200, help="training preference pairs (from the SFT split's last rows)")
     args = ap.parse_args()
     probs = make_problems(args.heldout + args.rl + args.sft, args.seed)
     random.Random(args.seed + 1).shuffle(probs)  # splits drawn from one pool: disjoint by construction
@@ -234,7 +261,11 @@ def main() -> int:
                                           "template": p["template"]} for p in rl])
     write_jsonl(out / "sft.jsonl", [{"prompt": prompt_of(p["problem"]),
                                      "completion": f"{p['solution']} The answer is {p['answer']}."} for p in sft])
-    print(f"wrote {len(held)} heldout, {len(rl)} rl_train, {len(sft)} sft rows to {out}")
+    # DPO (the chain SFT -> DPO -> GSPO): pairs on SFT-split problems to train, on the held-out problems to measure
+    write_jsonl(out / "dpo_train.jsonl", dpo_pairs(sft[-args.dpo:], args.seed + 2))
+    write_jsonl(out / "dpo_heldout.jsonl", dpo_pairs(held, args.seed + 3))
+    print(f"wrote {len(held)} heldout, {len(rl)} rl_train, {len(sft)} sft rows, {args.dpo} + {len(held)} DPO pairs "
+          f"to {out}")
     return 0
 
 

@@ -165,6 +165,9 @@ class DistEngine:
     def validation_loss(self) -> float:
         return self.objective.validation()
 
+    def validation_metrics(self) -> dict:
+        return self.objective.validation_metrics()
+
     def captured_energy(self) -> dict | None:
         """As the simulation's: each sender of replica 0 measures its own boundary."""
         if not self.bounds or self.bounds[0].subspace() is None:

@@ -47,6 +47,7 @@ class Engine(Protocol):
     def grad_norm(self) -> float: ...
     def bytes_total(self) -> dict[str, int]: ...               # cumulative, whole mesh, per axis
     def validation_loss(self) -> float: ...
+    def validation_metrics(self) -> dict: ...                  # the objective's further numbers of that measure
     def captured_energy(self) -> dict | None: ...
     def diagnostics(self) -> dict | None: ...
     def weights_finite(self) -> bool: ...                      # every rank's parameters (the same answer on all)
@@ -226,6 +227,7 @@ def _row(engine: Engine, cfg: Config, step: int, loss: float, wall_s: float, val
         row["diag"] = diag
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps:
         row[engine.val_key] = engine.validation_loss()
+        row.update(engine.validation_metrics())
         val_points.append((step + 1, row[engine.val_key]))
         energy = engine.captured_energy()
         if energy:
@@ -283,10 +285,12 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     summary = _summary(engine, cfg, rows.metrics, val_points, wall, recovery.rollbacks)
     if summary is None:
         return None
+    final_more = engine.validation_metrics()
+    summary.update({f"final_{k}": v for k, v in final_more.items()})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
     # belongs to the last row's step
-    rows.dash.log({"step": t.steps - 1, vk: final_val})
+    rows.dash.log({"step": t.steps - 1, vk: final_val, **final_more})
     rows.dash.summary(summary, t.steps - 1)
     rows.dash.close()
     b_cfg = cfg.boundary

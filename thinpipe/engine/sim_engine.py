@@ -80,6 +80,9 @@ class SimEngine:
     def validation_loss(self) -> float:
         return self.objective.validation()
 
+    def validation_metrics(self) -> dict:
+        return self.objective.validation_metrics()
+
     def captured_energy(self) -> dict | None:
         """Per boundary with a subspace: captured energy of the first validation batch's residual by
         it and by a fixed random basis of the same rank (MAPL Fig. 4b, tracked over training)."""

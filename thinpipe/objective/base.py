@@ -44,6 +44,11 @@ class Objective(Protocol):
         """The held-out measure (``val_key``), the same number on every process."""
         ...
 
+    def validation_metrics(self) -> dict:
+        """Further held-out numbers of the last ``validation()``, written beside ``val_key`` in its row and as
+        ``final_<key>`` in the summary (DPO's ``val_dpo_accuracy`` and ``val_dpo_margin``; SFT, GSPO: none)."""
+        ...
+
     def metrics(self) -> dict:
         """The objective's own metrics of the last step (rows' extra keys; SFT: none)."""
         ...

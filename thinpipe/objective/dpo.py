@@ -65,6 +65,7 @@ class Dpo:
         self.ref = {"train": torch.zeros(0, 2, dtype=torch.float32), "val": torch.zeros(0, 2, dtype=torch.float32)}
         self._streams: dict[int, object] = {}
         self.last: dict[str, float] = {}
+        self._val_metrics: dict[str, float] = {}
         self.tokens = 0  # trained (non-padding) tokens of the whole mesh so far
 
     @property
@@ -166,7 +167,14 @@ class Dpo:
         """The DPO loss on the held-out pairs (replica 0; eval boundaries, as the SFT held-out loss)."""
         done = self._pass(self.val_ds, self.pipe.replicas[0], self._loss_fn("val"), 0) if self.pipe.measures else []
         total = dict(zip(STATS, self.pipe.sum_stats(self._sums([d["stats"] for d in done]))))
-        return total["loss_sum"] / max(total["pairs"], 1.0)
+        n = max(total["pairs"], 1.0)
+        # the share of held-out pairs whose chosen answer the policy now prefers more than the reference did
+        # (0 at the start through dense boundaries: every margin is exactly 0), as TRL's eval rewards/accuracies
+        self._val_metrics = {"val_dpo_accuracy": total["wins"] / n, "val_dpo_margin": total["margin_sum"] / n}
+        return total["loss_sum"] / n
+
+    def validation_metrics(self) -> dict:
+        return dict(self._val_metrics)
 
     def metrics(self) -> dict:
         return dict(self.last)

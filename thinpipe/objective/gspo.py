@@ -279,6 +279,9 @@ class Gspo:
         right, n = self.pipe.sum_stats(mine)
         return right / max(n, 1.0)
 
+    def validation_metrics(self) -> dict:
+        return {}
+
     def metrics(self) -> dict:
         return dict(self.last)
 

@@ -71,6 +71,9 @@ class Sft:
         total, n = self.pipe.sum_stats([sum(s for s, _ in out), float(sum(c for _, c in out))])
         return total / max(n, 1)
 
+    def validation_metrics(self) -> dict:
+        return {}
+
     def metrics(self) -> dict:
         return {}
 

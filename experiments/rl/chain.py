@@ -1,0 +1,102 @@
+"""The papers' post-SFT chain at our scale (anchor-priors App. D.2, Table 9; issue 40 item 3): SFT -> DPO -> GSPO
+from the Dense and the best compressed SFT arm (Outlier 4b-1b: results/sft_baseline.json), on thinpipe's mesh.
+
+- SFT: ``sft.py``'s runs (60 steps on ``data/sft.jsonl``), under ``--runs``;
+- DPO: ``thinpipe train --init-from <SFT run>`` with ``train.objective = dpo`` (``DPO``) on ``data/dpo_train.jsonl``,
+  held-out preference accuracy (``final_val_dpo_accuracy``) on the first ``data.val_rows`` pairs of
+  ``data/dpo_heldout.jsonl`` (the held-out problems' right solution vs a slip in its last step);
+- GSPO: ``gain.py``'s setting from the DPO run (its step-0 ``val_accuracy`` is the DPO model's held-out accuracy).
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/chain.py --jobs 2
+    .venv/bin/python experiments/rl/chain.py --report       # results/chain.json
+
+Runs are resumable and a finished one is skipped (``gain.run_thinpipe``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from gain import SETTING, run_thinpipe, stderr  # noqa: E402
+from sft import copy_small, folder_name  # noqa: E402
+
+ARMS = ("Dense", "Outlier 4b-1b")
+# DPO (App. D names no DPO setting): TRL's beta 0.1, one pass over the 200 training pairs in 25 steps of 8, a
+# constant lr with no warm-up as the GSPO stage, dense boundaries (the post-SFT stages are not the compressed ones)
+DPO = {"train.objective": "dpo", "data.name": "experiments/rl/data/dpo_train.jsonl",
+       "data.val_name": "experiments/rl/data/dpo_heldout.jsonl", "data.val_rows": 150, "dpo.beta": 0.1,
+       "mesh.pp": 4, "model.tied": "untie", "boundary.kind": "identity", "train.batch_size": 8,
+       "train.seq_len": 192, "train.steps": 25, "train.lr": 5e-6, "train.warmup_ratio": 0.0,
+       "train.min_lr_ratio": 1.0, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "eval.every": 0,
+       "train.checkpoint_every": 0}
+
+
+def stages(runs: Path, arm: str) -> tuple[Path, Path, Path]:
+    name = folder_name(arm)[len("sft_"):]
+    return runs / folder_name(arm), runs / f"chain_dpo_{name}", runs / f"chain_gspo_{name}"
+
+
+def run_arm(runs: Path, arm: str, gspo_steps: int) -> None:
+    sft, dpo, gspo = stages(runs, arm)
+    if not (sft / "checkpoint").is_dir():
+        raise SystemExit(f"{sft} has no checkpoint: run sft.py first")
+    run_thinpipe(sft, dpo, 0, DPO)
+    if (dpo / "summary.json").is_file():
+        run_thinpipe(dpo, gspo, 0, {**SETTING, "train.steps": gspo_steps})
+
+
+def report(runs: Path) -> None:
+    base = json.loads((HERE / "results" / "sft_baseline.json").read_text())["results"]
+    out = []
+    for arm in ARMS:
+        sft, dpo, gspo = stages(runs, arm)
+        if not (gspo / "summary.json").is_file():
+            print(f"[missing] {gspo.name}: not finished")
+            continue
+        d, g = json.loads((dpo / "summary.json").read_text()), json.loads((gspo / "summary.json").read_text())
+        n_pairs, n = DPO["data.val_rows"], base[sft.name]["n"]
+        acc = {"sft": base[sft.name]["greedy_acc"], "dpo": g["initial_val_accuracy"], "gspo": g["final_val_accuracy"]}
+        out.append({"arm": arm, "dpo_steps": d["steps"], "gspo_steps": g["steps"],
+                    "dpo_val_preference_accuracy": d["final_val_dpo_accuracy"],
+                    "dpo_val_preference_stderr": stderr(d["final_val_dpo_accuracy"], n_pairs),
+                    "dpo_val_margin": d["final_val_dpo_margin"], "dpo_val_loss": d["final_val_loss"],
+                    "n_heldout_pairs": n_pairs, "n_heldout": n,
+                    **{f"accuracy_after_{k}": v for k, v in acc.items()},
+                    **{f"stderr_after_{k}": stderr(v, n) for k, v in acc.items()}})
+        for run in (dpo, gspo):
+            copy_small(run, HERE / "results" / "runs" / run.name)
+    (HERE / "results" / "chain.json").write_text(json.dumps(out, indent=1) + "\n")
+    for r in out:
+        print(f"{r['arm']:14s} held-out accuracy SFT {r['accuracy_after_sft']:.3f} -> DPO {r['accuracy_after_dpo']:.3f}"
+              f" -> GSPO {r['accuracy_after_gspo']:.3f}; DPO held-out preference accuracy "
+              f"{r['dpo_val_preference_accuracy']:.3f} (n={r['n_heldout_pairs']})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the chain's runs go")
+    ap.add_argument("--only", default="", help="comma-separated arm names (default: both)")
+    ap.add_argument("--gspo-steps", type=int, default=SETTING["train.steps"])
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="write results/chain.json from finished runs")
+    a = ap.parse_args()
+    runs = Path(a.runs)
+    arms = [x.strip() for x in a.only.split(",") if x.strip()] or ([] if a.report else list(ARMS))
+    for arm in arms:
+        if arm not in ARMS:
+            raise SystemExit(f"--only {arm!r}: choose from {', '.join(ARMS)}")
+    with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
+        list(pool.map(lambda arm: run_arm(runs, arm, a.gspo_steps), arms))
+    if a.report:
+        report(runs)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,163 @@
+"""A GSPO gain from an SFT start, on thinpipe's mesh and through TRL (issue 40, items 1, 2 and 4).
+
+thinpipe: ``thinpipe train --init-from <SFT run>`` with ``train.objective = gspo`` (``SETTING``), one process per
+seed; held-out accuracy before / after = the run's ``val_accuracy`` at step 0 / at the end (greedy decoding of the
+300 held-out problems on the mesh). TRL: ``trl_gspo.py`` with the same setting (``GRPOTrainer``,
+``importance_sampling_level = "sequence"``). Both read ``data/rl_train.jsonl`` and score ``data/heldout.jsonl``.
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --run thinpipe:0 --run trl:0 --jobs 2
+    .venv/bin/python experiments/rl/gain.py --report      # results/gain.json, results/gain_curves.png
+
+Runs are resumable (a thinpipe folder with a checkpoint continues; a finished one is skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RESULTS = HERE / "results"
+
+# The setting both trainers run (trl_gspo.py maps each key to its GRPOConfig field). What mattered, found by the
+# smallest runs (README "GSPO gain"): groups of 8 (more groups with reward spread than 4), two updates per
+# generation of 32 rollouts, lr 1e-5 with no warm-up.
+STEPS, LR, GROUP, PROMPTS, MINIBATCHES, MAX_NEW = 40, 1e-5, 8, 4, 2, 64
+SETTING = {"train.objective": "gspo", "data.name": "experiments/rl/data/rl_train.jsonl",
+           "data.val_name": "experiments/rl/data/heldout.jsonl", "data.val_rows": 0,
+           "mesh.pp": 4, "model.tied": "untie", "boundary.kind": "identity",
+           "rl.group_size": GROUP, "rl.prompts_per_step": PROMPTS, "rl.minibatches": MINIBATCHES,
+           "rl.max_response_tokens": MAX_NEW, "rl.temperature": 1.0, "train.seq_len": 192, "train.batch_size": 8,
+           "train.warmup_ratio": 0.0, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.min_lr_ratio": 1.0,
+           "eval.every": 20, "train.checkpoint_every": 10, "train.steps": STEPS, "train.lr": LR}
+
+
+def stderr(p: float, n: int) -> float:
+    return math.sqrt(p * (1 - p) / (n - 1))
+
+
+def run_thinpipe(init: Path, out: Path, seed: int, setting: dict | None = None) -> None:
+    """One ``thinpipe train --init-from init`` run into ``out`` (``setting``, default ``SETTING``, with its seed)."""
+    if (out / "summary.json").is_file():
+        print(f"[skip] {out.name}: done already", flush=True)
+        return
+    resume = (out / "checkpoint").is_dir()
+    args = [sys.executable, "-m", "thinpipe", "train", "--out", str(out), "--quiet"]
+    args += ["--resume"] if resume else ["--overwrite", "--init-from", str(init)]
+    for k, v in {**(SETTING if setting is None else setting), "train.seed": seed}.items():
+        args += ["--set", f"{k}={v}"]
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    print(f"[{'resume' if resume else 'start'}] {out.name}", flush=True)
+    with open(out / "log.txt", "a" if resume else "w") as log:
+        r = subprocess.run(args, env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    print(f"[{'fail' if r.returncode else 'done'}] {out.name} in {time.time() - t0:.0f} s", flush=True)
+
+
+def run_trl(init: Path, out: Path, seed: int) -> None:
+    if (out / "result.json").is_file():
+        print(f"[skip] {out.name}: done already", flush=True)
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    args = [sys.executable, str(HERE / "trl_gspo.py"), "--init", str(init), "--out", str(out), "--seed", str(seed),
+            "--steps", str(STEPS), "--lr", str(LR), "--group", str(GROUP), "--prompts", str(PROMPTS),
+            "--minibatches", str(MINIBATCHES), "--max-new", str(MAX_NEW)]
+    t0 = time.time()
+    print(f"[start] {out.name}", flush=True)
+    with open(out / "log.txt", "w") as log:
+        r = subprocess.run(args, env=_env(), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    print(f"[{'fail' if r.returncode else 'done'}] {out.name} in {time.time() - t0:.0f} s", flush=True)
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def thinpipe_row(folder: Path, seed: int) -> dict:
+    s = json.loads((folder / "summary.json").read_text())
+    n = sum(1 for x in (ROOT / SETTING["data.val_name"]).read_text().splitlines() if x.strip())
+    before, after = s["initial_val_accuracy"], s["final_val_accuracy"]
+    return {"trainer": "thinpipe", "seed": seed, "accuracy_before": before, "accuracy_after": after,
+            "stderr_after": stderr(after, n), "n_heldout": n, "run": folder.name}
+
+
+def trl_row(folder: Path) -> dict:
+    r = json.loads((folder / "result.json").read_text())
+    return {"trainer": "trl", "seed": r["seed"], "accuracy_before": r["before"]["accuracy"],
+            "accuracy_after": r["after"]["accuracy"], "stderr_after": r["after"]["stderr"],
+            "n_heldout": r["after"]["n"], "run": folder.name}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the GSPO runs go")
+    ap.add_argument("--init", default="sft_Dense", help="the SFT run (under --runs) both trainers start from")
+    ap.add_argument("--run", action="append", default=[], help="thinpipe:SEED or trl:SEED; repeatable")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--report", action="store_true", help="write results/gain.json and the plot from finished runs")
+    a = ap.parse_args()
+    runs, init = Path(a.runs), Path(a.runs) / a.init
+    jobs = []
+    for spec in a.run:
+        kind, _, seed = spec.partition(":")
+        if kind not in ("thinpipe", "trl") or not seed.isdigit():
+            raise SystemExit(f"--run {spec!r}: give thinpipe:SEED or trl:SEED")
+        out = runs / f"gain_{kind}_s{seed}"
+        jobs.append((lambda o=out, s=int(seed): run_thinpipe(init, o, s)) if kind == "thinpipe" else
+                    (lambda o=out, s=int(seed): run_trl(init, o, s)))
+    with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
+        list(pool.map(lambda f: f(), jobs))
+    if a.report:
+        report(runs)
+    return 0
+
+
+def report(runs: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, curves = [], []
+    for f in sorted(runs.glob("gain_thinpipe_s*")):
+        if (f / "summary.json").is_file():
+            seed = int(f.name.rsplit("_s", 1)[1])
+            rows.append(thinpipe_row(f, seed))
+            m = [json.loads(x) for x in (f / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            curves.append((f"thinpipe seed {seed}", [r["step"] + 1 for r in m], [r["reward_mean"] for r in m],
+                           rows[-1]))
+    for f in sorted(runs.glob("gain_trl_s*")):
+        if (f / "result.json").is_file():
+            rows.append(trl_row(f))
+            res = json.loads((f / "result.json").read_text())
+            pts = [(h["step"], h["reward"]) for h in res["log"] if "reward" in h]
+            curves.append((f"TRL GRPOTrainer seed {res['seed']}", [(s + 1) // MINIBATCHES for s, _ in pts],
+                           [r for _, r in pts], rows[-1]))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "gain.json").write_text(json.dumps(rows, indent=1) + "\n")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, x, y, row in curves:
+        k = 5  # a 5-generation running mean: one generation is 32 rollouts
+        ys = [sum(y[max(0, i - k + 1):i + 1]) / len(y[max(0, i - k + 1):i + 1]) for i in range(len(y))]
+        ax.plot(x, ys, label=f"{label}: held-out {row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f}")
+    ax.set_xlabel("generation (32 rollouts, 2 updates)")
+    ax.set_ylabel("rollout reward (5-step mean)")
+    ax.set_title("GSPO from the Dense SFT start: thinpipe vs TRL")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "gain_curves.png", dpi=120)
+    for r in rows:
+        print(f"{r['trainer']:8s} seed {r['seed']}: {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
+              f"(+-{r['stderr_after']:.3f}, n={r['n_heldout']})")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
