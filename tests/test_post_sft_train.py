@@ -96,8 +96,11 @@ def test_gspo_rows_hold_the_rl_metrics_and_rollout_bytes(tmp_path):
     assert main(["train", "--out", str(tmp_path / "run"), "--quiet", *as_args(sets)]) == 0
     got = rows(tmp_path / "run")
     keys = {"reward_mean", "reward_std", "accuracy", "clip_fraction", "response_len", "entropy", "gen_tokens_per_s",
-            "rollout_bytes", "pp_fwd_bytes", "loss", "grad_norm"}
+            "rollout_bytes", "pp_fwd_bytes", "loss", "grad_norm", "frac_reward_zero_std"}
     assert all(keys <= set(r) for r in got)
+    # the share of groups whose rollouts all earned the same reward (TRL's name): every group when the step's do
+    assert all(0 <= r["frac_reward_zero_std"] <= 1 for r in got)
+    assert all(r["frac_reward_zero_std"] == 1 for r in got if r["reward_std"] == 0)
     assert "val_accuracy" in got[0] and "val_loss" not in got[0]
     # rollouts are metered beside training's bytes, and the held-out generation is not metered
     per_step = [b - a for a, b in zip([0] + [r["rollout_bytes"] for r in got], [r["rollout_bytes"] for r in got])]

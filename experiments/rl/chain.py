@@ -42,12 +42,12 @@ def stages(runs: Path, arm: str) -> tuple[Path, Path, Path]:
     return runs / folder_name(arm), runs / f"chain_dpo_{name}", runs / f"chain_gspo_{name}"
 
 
-def run_arm(runs: Path, arm: str, gspo_steps: int) -> None:
+def run_arm(runs: Path, arm: str, gspo_steps: int, dpo_only: bool) -> None:
     sft, dpo, gspo = stages(runs, arm)
     if not (sft / "checkpoint").is_dir():
         raise SystemExit(f"{sft} has no checkpoint: run sft.py first")
     run_thinpipe(sft, dpo, 0, DPO)
-    if (dpo / "summary.json").is_file():
+    if (dpo / "summary.json").is_file() and not dpo_only:
         run_thinpipe(dpo, gspo, 0, {**SETTING, "train.steps": gspo_steps})
 
 
@@ -83,6 +83,7 @@ def main() -> int:
     ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the chain's runs go")
     ap.add_argument("--only", default="", help="comma-separated arm names (default: both)")
     ap.add_argument("--gspo-steps", type=int, default=SETTING["train.steps"])
+    ap.add_argument("--dpo-only", action="store_true", help="run the DPO stage alone (GSPO on a later call)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="write results/chain.json from finished runs")
     a = ap.parse_args()
@@ -92,7 +93,7 @@ def main() -> int:
         if arm not in ARMS:
             raise SystemExit(f"--only {arm!r}: choose from {', '.join(ARMS)}")
     with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
-        list(pool.map(lambda arm: run_arm(runs, arm, a.gspo_steps), arms))
+        list(pool.map(lambda arm: run_arm(runs, arm, a.gspo_steps, a.dpo_only), arms))
     if a.report:
         report(runs)
     return 0

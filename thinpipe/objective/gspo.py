@@ -35,7 +35,7 @@ from thinpipe.rank.generation import Sampling
 
 # what the last stages sum over a step, in this order (Pipe.sum_stats)
 STATS = ("sequences", "reward_sum", "reward_sq", "correct", "response_tokens", "gen_s", "clipped",
-         "tokens", "entropy_sum", "loss_sum", "updates", "trained_tokens")
+         "tokens", "entropy_sum", "loss_sum", "updates", "trained_tokens", "groups", "zero_std_groups")
 
 
 def check_rl_boundaries(bounds) -> None:
@@ -214,6 +214,9 @@ class Gspo:
                 acc["response_tokens"] += sum(lengths)
                 acc["gen_s"] += gen_s
                 acc["trained_tokens"] += int((batch["segment_ids"] >= 0).sum())
+                # a group whose rollouts all earn the same reward has zero advantage: it teaches nothing
+                acc["groups"] += n // rl.group_size
+                acc["zero_std_groups"] += float((rewards.view(-1, rl.group_size).std(dim=1) == 0).sum())
         per = per_update // cfg.train.batch_size
         losses = []
         for m in range(rl.minibatches):
@@ -302,4 +305,5 @@ def metrics_of(t: dict) -> dict:
             "reward_mean": mean, "reward_std": var ** 0.5, "accuracy": t["correct"] / n,
             "clip_fraction": t["clipped"] / max(t["tokens"], 1.0), "response_len": t["response_tokens"] / n,
             "entropy": t["entropy_sum"] / max(t["tokens"], 1.0),
+            "frac_reward_zero_std": t["zero_std_groups"] / max(t["groups"], 1.0),
             "gen_tokens_per_s": t["response_tokens"] / t["gen_s"] if t["gen_s"] > 0 else 0.0}
