@@ -5,10 +5,17 @@ seed; held-out accuracy before / after = the run's ``val_accuracy`` at step 0 / 
 300 held-out problems on the mesh). TRL: ``trl_gspo.py`` with the same setting (``GRPOTrainer``,
 ``importance_sampling_level = "sequence"``). Both read ``data/rl_train.jsonl`` and score ``data/heldout.jsonl``.
 
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --run thinpipe:0 --run trl:0 --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/sft.py --steps 12 --only Dense --suffix _12steps
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3
     .venv/bin/python experiments/rl/gain.py --report      # results/gain.json, results/gain_curves.png
 
-Runs are resumable (a thinpipe folder with a checkpoint continues; a finished one is skipped).
+The screen that came first (the 60-step SFT start, 40 steps, README "GSPO gain"):
+
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 40 --run thinpipe:0 \
+        --report --report-to results/gain_screen.json
+
+Runs go to ``--runs``/gain_<start>_<trainer>_s<seed>; they are resumable (a thinpipe folder with a checkpoint
+continues; a finished one is skipped).
 """
 
 from __future__ import annotations
@@ -25,19 +32,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-RESULTS = HERE / "results"
 
 # The setting both trainers run (trl_gspo.py maps each key to its GRPOConfig field). What mattered, found by the
 # smallest runs (README "GSPO gain"): groups of 8 (more groups with reward spread than 4), two updates per
 # generation of 32 rollouts, lr 1e-5 with no warm-up.
-STEPS, LR, GROUP, PROMPTS, MINIBATCHES, MAX_NEW = 40, 1e-5, 8, 4, 2, 64
+STEPS, LR, GROUP, PROMPTS, MINIBATCHES, MAX_NEW = 30, 1e-5, 8, 4, 2, 64
 SETTING = {"train.objective": "gspo", "data.name": "experiments/rl/data/rl_train.jsonl",
            "data.val_name": "experiments/rl/data/heldout.jsonl", "data.val_rows": 0,
            "mesh.pp": 4, "model.tied": "untie", "boundary.kind": "identity",
            "rl.group_size": GROUP, "rl.prompts_per_step": PROMPTS, "rl.minibatches": MINIBATCHES,
            "rl.max_response_tokens": MAX_NEW, "rl.temperature": 1.0, "train.seq_len": 192, "train.batch_size": 8,
            "train.warmup_ratio": 0.0, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.min_lr_ratio": 1.0,
-           "eval.every": 20, "train.checkpoint_every": 10, "train.steps": STEPS, "train.lr": LR}
+           "eval.every": 0, "train.checkpoint_every": 10, "train.steps": STEPS, "train.lr": LR}
 
 
 def stderr(p: float, n: int) -> float:
@@ -62,13 +68,13 @@ def run_thinpipe(init: Path, out: Path, seed: int, setting: dict | None = None) 
     print(f"[{'fail' if r.returncode else 'done'}] {out.name} in {time.time() - t0:.0f} s", flush=True)
 
 
-def run_trl(init: Path, out: Path, seed: int) -> None:
+def run_trl(init: Path, out: Path, seed: int, steps: int = STEPS) -> None:
     if (out / "result.json").is_file():
         print(f"[skip] {out.name}: done already", flush=True)
         return
     out.mkdir(parents=True, exist_ok=True)
     args = [sys.executable, str(HERE / "trl_gspo.py"), "--init", str(init), "--out", str(out), "--seed", str(seed),
-            "--steps", str(STEPS), "--lr", str(LR), "--group", str(GROUP), "--prompts", str(PROMPTS),
+            "--steps", str(steps), "--lr", str(LR), "--group", str(GROUP), "--prompts", str(PROMPTS),
             "--minibatches", str(MINIBATCHES), "--max-new", str(MAX_NEW)]
     t0 = time.time()
     print(f"[start] {out.name}", flush=True)
@@ -99,7 +105,9 @@ def trl_row(folder: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the GSPO runs go")
-    ap.add_argument("--init", default="sft_Dense", help="the SFT run (under --runs) both trainers start from")
+    ap.add_argument("--init", default="sft_Dense_12steps", help="the SFT run (under --runs) both trainers start from")
+    ap.add_argument("--steps", type=int, default=STEPS, help="GSPO steps (generations)")
+    ap.add_argument("--report-to", default="results/gain.json", help="under experiments/rl; the plot beside it")
     ap.add_argument("--run", action="append", default=[], help="thinpipe:SEED or trl:SEED; repeatable")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--report", action="store_true", help="write results/gain.json and the plot from finished runs")
@@ -110,39 +118,42 @@ def main() -> int:
         kind, _, seed = spec.partition(":")
         if kind not in ("thinpipe", "trl") or not seed.isdigit():
             raise SystemExit(f"--run {spec!r}: give thinpipe:SEED or trl:SEED")
-        out = runs / f"gain_{kind}_s{seed}"
-        jobs.append((lambda o=out, s=int(seed): run_thinpipe(init, o, s)) if kind == "thinpipe" else
-                    (lambda o=out, s=int(seed): run_trl(init, o, s)))
+        out = runs / f"gain_{a.init}_{kind}_s{seed}"
+        setting = {**SETTING, "train.steps": a.steps}
+        jobs.append((lambda o=out, s=int(seed): run_thinpipe(init, o, s, setting)) if kind == "thinpipe" else
+                    (lambda o=out, s=int(seed): run_trl(init, o, s, a.steps)))
     with ThreadPoolExecutor(max(a.jobs, 1)) as pool:
         list(pool.map(lambda f: f(), jobs))
     if a.report:
-        report(runs)
+        report(runs, a.init, HERE / a.report_to)
     return 0
 
 
-def report(runs: Path) -> None:
+def report(runs: Path, init: str, dest: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows, curves = [], []
-    for f in sorted(runs.glob("gain_thinpipe_s*")):
+    for f in sorted(runs.glob(f"gain_{init}_thinpipe_s*")):
         if (f / "summary.json").is_file():
             seed = int(f.name.rsplit("_s", 1)[1])
             rows.append(thinpipe_row(f, seed))
             m = [json.loads(x) for x in (f / "metrics.jsonl").read_text().splitlines() if x.strip()]
             curves.append((f"thinpipe seed {seed}", [r["step"] + 1 for r in m], [r["reward_mean"] for r in m],
                            rows[-1]))
-    for f in sorted(runs.glob("gain_trl_s*")):
+    for f in sorted(runs.glob(f"gain_{init}_trl_s*")):
         if (f / "result.json").is_file():
             rows.append(trl_row(f))
             res = json.loads((f / "result.json").read_text())
             pts = [(h["step"], h["reward"]) for h in res["log"] if "reward" in h]
             curves.append((f"TRL GRPOTrainer seed {res['seed']}", [(s + 1) // MINIBATCHES for s, _ in pts],
                            [r for _, r in pts], rows[-1]))
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gain.json").write_text(json.dumps(rows, indent=1) + "\n")
+    for r in rows:
+        r["start"] = init
+    dest.parent.mkdir(exist_ok=True)
+    dest.write_text(json.dumps(rows, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, x, y, row in curves:
         k = 5  # a 5-generation running mean: one generation is 32 rollouts
@@ -150,10 +161,10 @@ def report(runs: Path) -> None:
         ax.plot(x, ys, label=f"{label}: held-out {row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f}")
     ax.set_xlabel("generation (32 rollouts, 2 updates)")
     ax.set_ylabel("rollout reward (5-step mean)")
-    ax.set_title("GSPO from the Dense SFT start: thinpipe vs TRL")
+    ax.set_title(f"GSPO from the SFT start {init}: thinpipe vs TRL")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "gain_curves.png", dpi=120)
+    fig.savefig(dest.with_name(dest.stem + "_curves.png"), dpi=120)
     for r in rows:
         print(f"{r['trainer']:8s} seed {r['seed']}: {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
               f"(+-{r['stderr_after']:.3f}, n={r['n_heldout']})")

@@ -59,19 +59,21 @@ def main() -> int:
     ap.add_argument("--results", default=str(HERE / "results" / "runs"))
     ap.add_argument("--only", default="", help="comma-separated arm names")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--suffix", default="", help="appended to the run folders' names (e.g. _12steps)")
     args = ap.parse_args()
     if not (ROOT / BASE["data.name"]).is_file():
         raise SystemExit(f"{BASE['data.name']} is missing: run experiments/rl/make_data.py first")
     base = {**BASE, "train.steps": args.steps}
     runs, results = Path(args.runs), Path(args.results)
     for name, sets in select(ARMS, args.only, "rl-sft").items():
-        folder = runs / folder_name(name)
+        folder = runs / (folder_name(name) + args.suffix)
         summary = run_arm(name, sets, runs, base, args.threads, folder=folder)
         if summary:
-            copy_small(folder, results / folder_name(name))
+            copy_small(folder, results / folder.name)
             print(f"  {name}: final val loss {summary['final_val_loss']:.4f}, {summary['wall_s']:.0f} s "
                   f"({summary['wall_s'] / args.steps:.2f} s/step)", flush=True)
-    (results / "sft_recipe.json").write_text(json.dumps({"base": base, "arms": ARMS}, indent=2))
+    if not args.suffix:  # the recipe of the arms' main runs
+        (results / "sft_recipe.json").write_text(json.dumps({"base": base, "arms": ARMS}, indent=2))
     return 0
 
 
