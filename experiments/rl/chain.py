@@ -8,6 +8,9 @@ from the Dense and the best compressed SFT arm (Outlier 4b-1b: results/sft_basel
 - GSPO: ``gain.py``'s setting from the DPO run (its step-0 ``val_accuracy`` is the DPO model's held-out accuracy).
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/chain.py --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/eval_heldout.py --model /work/rl_runs/chain_dpo_Dense \\
+        --model /work/rl_runs/chain_dpo_Outlier_4b-1b --samples 0 --max-new-tokens 64 \\
+        --out experiments/rl/results/chain_heldout.json                 # held-out accuracy after DPO
     .venv/bin/python experiments/rl/chain.py --report       # results/chain.json
 
 Runs are resumable and a finished one is skipped (``gain.run_thinpipe``).
@@ -32,6 +35,9 @@ ARMS = ("Dense", "Outlier 4b-1b")
 DPO = {"train.objective": "dpo", "data.name": "experiments/rl/data/dpo_train.jsonl",
        "data.val_name": "experiments/rl/data/dpo_heldout.jsonl", "data.val_rows": 150, "dpo.beta": 0.1,
        "mesh.pp": 4, "model.tied": "untie", "boundary.kind": "identity", "train.batch_size": 8,
+       # two microbatches of 4 pairs: the same update (gradients summed), half the activations held at once (the
+       # Dense arm's DPO ran with 1 before a run beside three others ran out of memory)
+       "train.microbatches": 2,
        "train.seq_len": 192, "train.steps": 25, "train.lr": 5e-6, "train.warmup_ratio": 0.0,
        "train.min_lr_ratio": 1.0, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "eval.every": 0,
        "train.checkpoint_every": 0}
@@ -52,30 +58,41 @@ def run_arm(runs: Path, arm: str, gspo_steps: int, dpo_only: bool) -> None:
 
 
 def report(runs: Path) -> None:
-    base = json.loads((HERE / "results" / "sft_baseline.json").read_text())["results"]
+    """results/chain.json: per arm, each stage's held-out numbers so far (a stage not run yet is null). Held-out
+    accuracy after SFT and after DPO: ``eval_heldout.py`` (HF ``generate``, greedy) in results/sft_baseline.json and
+    results/chain_heldout.json; after GSPO: the GSPO run's final ``val_accuracy``."""
+    res = HERE / "results"
+    base = json.loads((res / "sft_baseline.json").read_text())["results"]
+    held_file = res / "chain_heldout.json"
+    held = json.loads(held_file.read_text())["results"] if held_file.is_file() else {}
     out = []
     for arm in ARMS:
         sft, dpo, gspo = stages(runs, arm)
-        if not (gspo / "summary.json").is_file():
-            print(f"[missing] {gspo.name}: not finished")
+        if not (dpo / "summary.json").is_file():
+            print(f"[missing] {dpo.name}: not finished")
             continue
-        d, g = json.loads((dpo / "summary.json").read_text()), json.loads((gspo / "summary.json").read_text())
-        n_pairs, n = DPO["data.val_rows"], base[sft.name]["n"]
-        acc = {"sft": base[sft.name]["greedy_acc"], "dpo": g["initial_val_accuracy"], "gspo": g["final_val_accuracy"]}
-        out.append({"arm": arm, "dpo_steps": d["steps"], "gspo_steps": g["steps"],
+        d = json.loads((dpo / "summary.json").read_text())
+        g = json.loads((gspo / "summary.json").read_text()) if (gspo / "summary.json").is_file() else None
+        n_pairs = DPO["data.val_rows"]
+        acc = {"sft": base[sft.name]["greedy_acc"], "dpo": held.get(dpo.name, {}).get("greedy_acc"),
+               "gspo": g["final_val_accuracy"] if g else None}
+        n = base[sft.name]["n"]
+        out.append({"arm": arm, "dpo_steps": d["steps"], "gspo_steps": g["steps"] if g else None,
                     "dpo_val_preference_accuracy": d["final_val_dpo_accuracy"],
                     "dpo_val_preference_stderr": stderr(d["final_val_dpo_accuracy"], n_pairs),
                     "dpo_val_margin": d["final_val_dpo_margin"], "dpo_val_loss": d["final_val_loss"],
                     "n_heldout_pairs": n_pairs, "n_heldout": n,
                     **{f"accuracy_after_{k}": v for k, v in acc.items()},
-                    **{f"stderr_after_{k}": stderr(v, n) for k, v in acc.items()}})
+                    **{f"stderr_after_{k}": None if v is None else stderr(v, n) for k, v in acc.items()}})
         for run in (dpo, gspo):
-            copy_small(run, HERE / "results" / "runs" / run.name)
-    (HERE / "results" / "chain.json").write_text(json.dumps(out, indent=1) + "\n")
+            if (run / "summary.json").is_file():
+                copy_small(run, res / "runs" / run.name)
+    (res / "chain.json").write_text(json.dumps(out, indent=1) + "\n")
+    show = lambda v: "not run" if v is None else f"{v:.3f}"  # noqa: E731
     for r in out:
-        print(f"{r['arm']:14s} held-out accuracy SFT {r['accuracy_after_sft']:.3f} -> DPO {r['accuracy_after_dpo']:.3f}"
-              f" -> GSPO {r['accuracy_after_gspo']:.3f}; DPO held-out preference accuracy "
-              f"{r['dpo_val_preference_accuracy']:.3f} (n={r['n_heldout_pairs']})")
+        print(f"{r['arm']:14s} held-out accuracy SFT {show(r['accuracy_after_sft'])} -> DPO "
+              f"{show(r['accuracy_after_dpo'])} -> GSPO {show(r['accuracy_after_gspo'])}; DPO held-out preference "
+              f"accuracy {r['dpo_val_preference_accuracy']:.3f} (n={r['n_heldout_pairs']})")
 
 
 def main() -> int:
