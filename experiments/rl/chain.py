@@ -26,7 +26,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from gain import SETTING, run_thinpipe, stderr  # noqa: E402
+from eval_heldout import stderr  # noqa: E402
+from gain import SETTING, run_thinpipe  # noqa: E402
 from sft import copy_small, folder_name  # noqa: E402
 
 ARMS = ("Dense", "Outlier 4b-1b")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -35,6 +34,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from eval_heldout import stderr  # noqa: E402  (the held-out accuracy's stderr, one definition)
+
 ROOT = HERE.parents[1]
 
 # The setting both trainers run (trl_gspo.py maps each key to its GRPOConfig field): the next runs of the screen's
@@ -48,10 +50,6 @@ SETTING = {"train.objective": "gspo", "data.name": "experiments/rl/data/rl_train
            "rl.max_response_tokens": MAX_NEW, "rl.temperature": 1.0, "train.seq_len": 192, "train.batch_size": 8,
            "train.warmup_ratio": 0.0, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.min_lr_ratio": 1.0,
            "eval.every": 0, "train.checkpoint_every": 10, "train.steps": STEPS, "train.lr": LR}
-
-
-def stderr(p: float, n: int) -> float:
-    return math.sqrt(p * (1 - p) / (n - 1))
 
 
 def run_thinpipe(init: Path, out: Path, seed: int, setting: dict | None = None) -> None:

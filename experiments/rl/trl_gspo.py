@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from eval_heldout import generate  # noqa: E402
+from eval_heldout import generate, stderr  # noqa: E402
 
 from thinpipe.data.chat import prompt_text  # noqa: E402
 from thinpipe.objective.rewards import math_reward  # noqa: E402
@@ -59,7 +58,7 @@ def heldout_accuracy(model, tok, rows: list[dict], max_new: int) -> dict:
     comps = generate(model, tok, [r["prompt"] for r in rows], max_new, batch=50)
     ok = [math_reward(c, r["answer"]) for c, r in zip(comps, rows)]
     p, n = sum(ok) / len(ok), len(ok)
-    return {"accuracy": p, "stderr": math.sqrt(p * (1 - p) / (n - 1)), "n": n,
+    return {"accuracy": p, "stderr": stderr(p, n), "n": n,
             "format_rate": sum("The answer is" in c for c in comps) / n}
 
 
