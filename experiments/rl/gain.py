@@ -5,18 +5,28 @@ seed; held-out accuracy before / after = the run's ``val_accuracy`` at step 0 / 
 300 held-out problems on the mesh). TRL: ``trl_gspo.py`` with the same setting (``GRPOTrainer``,
 ``importance_sampling_level = "sequence"``). Both read ``data/rl_train.jsonl`` and score ``data/heldout.jsonl``.
 
+The gain runs (README "Issue 40"): the start is the flawed demonstrator's SFT (``make_data.py`` writes
+``data/sft_noisy.jsonl``: half of the two-step solutions stop after their first step):
+
+    .venv/bin/python experiments/rl/make_data.py
+    .venv/bin/python experiments/rl/sft.py --steps 60 --only Dense --suffix _noisy \
+        --data experiments/rl/data/sft_noisy.jsonl --threads 2
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3
     .venv/bin/python experiments/rl/gain.py --report      # results/gain.json, results/gain_curves.png
 
-The screen (README "Issue 40"; eval.every was 20 in the first of these runs):
+The screen from the clean 60-step SFT (``--init sft_Dense``) and a 12-step one; the first four ran 4 prompts a step
+and 2 updates (``rl.prompts_per_step = 4``, ``rl.minibatches = 2``), each run's whole setting is in
+``results/runs/screen_*/config.toml``:
 
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --steps 40 --run thinpipe:0 \\
-        --report --report-to results/gain_screen_sft60_lr1e-5.json
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 40 --lr 1e-5 --run thinpipe:0
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/sft.py --steps 12 --only Dense --suffix _12steps
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 30 --lr 1e-5 \\
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 30 --lr 1e-5 \
         --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3      # stopped after 11-14 steps
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 20 --lr 5e-5 \\
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 20 --lr 5e-5 \
         --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3      # seed 1 and TRL stopped after 7-9 steps
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 30 \
+        --run thinpipe:0 --run thinpipe:1 --run trl:0               # today's setting; stopped at step 15-16 (held-out
+                                                                    # 0.410 / 0.397 at step 15), TRL at 9
 
 Runs go to ``--runs``/gain_<start>_<trainer>_s<seed>; they are resumable (a thinpipe folder with a checkpoint
 continues; a finished one is skipped).
@@ -39,10 +49,11 @@ from eval_heldout import stderr  # noqa: E402  (the held-out accuracy's stderr, 
 
 ROOT = HERE.parents[1]
 
-# The setting both trainers run (trl_gspo.py maps each key to its GRPOConfig field): the next runs of the screen's
-# closest arm (README "Issue 40": from the 60-step SFT at lr 1e-5 the rollout reward rose over 40 steps while held-out
-# accuracy did not move yet), groups of 8 (a third of the groups of 4 that carry no advantage, group_spread.py).
-STEPS, LR, GROUP, PROMPTS, MINIBATCHES, MAX_NEW = 80, 1e-5, 8, 4, 2, 64
+# The setting both trainers run (trl_gspo.py maps each key to its GRPOConfig field). Groups of 8 (a third of the
+# groups of 4 carry no advantage, group_spread.py); 8 prompts and one update a step, because a step's gradient is
+# mostly noise (grad_snr.py: two independent 64-rollout gradients have cosine ~0.02), so an update should average
+# as many rollouts as a step can afford; on-policy (one update: GSPO's clip never acts, as TRL's num_iterations 1).
+STEPS, LR, GROUP, PROMPTS, MINIBATCHES, MAX_NEW = 20, 2e-5, 8, 8, 1, 64
 SETTING = {"train.objective": "gspo", "data.name": "experiments/rl/data/rl_train.jsonl",
            "data.val_name": "experiments/rl/data/heldout.jsonl", "data.val_rows": 0,
            "mesh.pp": 4, "model.tied": "untie", "boundary.kind": "identity",
@@ -107,7 +118,7 @@ def trl_row(folder: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the GSPO runs go")
-    ap.add_argument("--init", default="sft_Dense", help="the SFT run (under --runs) both trainers start from")
+    ap.add_argument("--init", default="sft_Dense_noisy", help="the SFT run (under --runs) both trainers start from")
     ap.add_argument("--steps", type=int, default=STEPS, help="GSPO steps (generations)")
     ap.add_argument("--lr", type=float, default=LR)
     ap.add_argument("--report-to", default="results/gain.json", help="under experiments/rl; the plot beside it")
@@ -159,10 +170,10 @@ def report(runs: Path, init: str, dest: Path) -> None:
     dest.write_text(json.dumps(rows, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, x, y, row in curves:
-        k = 5  # a 5-generation running mean: one generation is 32 rollouts
+        k = 5  # a 5-generation running mean: one generation is PROMPTS x GROUP rollouts
         ys = [sum(y[max(0, i - k + 1):i + 1]) / len(y[max(0, i - k + 1):i + 1]) for i in range(len(y))]
         ax.plot(x, ys, label=f"{label}: held-out {row['accuracy_before']:.3f} -> {row['accuracy_after']:.3f}")
-    ax.set_xlabel("generation (32 rollouts, 2 updates)")
+    ax.set_xlabel(f"generation ({PROMPTS * GROUP} rollouts, {MINIBATCHES} update(s))")
     ax.set_ylabel("rollout reward (5-step mean)")
     ax.set_title(f"GSPO from the SFT start {init}: thinpipe vs TRL")
     ax.legend(fontsize=8)

@@ -14,6 +14,9 @@ template never appear in two files, whatever the names and objects:
     data/dpo_train.jsonl {"prompt", "chosen", "rejected"}  SFT-split problems: the right solution vs a slip in
                                                            its last step (a wrong final number)
     data/dpo_heldout.jsonl  the same for the held-out problems (held-out preference accuracy)
+    data/sft_noisy.jsonl the SFT problems, a flawed demonstrator's: ``--noisy-fraction`` of the two-step problems'
+                         solutions stop after the first step and state its result as the answer (issue 40: a
+                         start whose errors share one cause, which a verifiable reward can see)
 
 The prompt asks for the closing "The answer is N." so that ``thinpipe.eval.generative.gsm8k_extract``
 (the number after "The answer is", else the last number) reads the answer. Deterministic from
@@ -236,6 +239,29 @@ def dpo_pairs(problems: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def stopped_early(problem: dict) -> tuple[str, int] | None:
+    """A two-step problem's solution cut after its first step, that step's result stated as the answer (the flaw
+    of ``sft_noisy.jsonl``); None for a one-step problem or when the first result happens to be the answer."""
+    sol = problem["solution"]
+    if not sol.startswith("First ") or ". Then " not in sol:
+        return None
+    first = sol.split(". Then ")[0] + "."
+    mid = int(first.rsplit("= ", 1)[1].rstrip("."))
+    return None if mid == problem["answer"] else (first, mid)
+
+
+def noisy_sft(problems: list[dict], fraction: float, seed: int) -> list[dict]:
+    """The SFT rows with ``fraction`` of the two-step solutions stopped early (``stopped_early``)."""
+    rng = random.Random(seed)
+    out = []
+    for p in problems:
+        cut = stopped_early(p)
+        sol, ans = cut if cut is not None and rng.random() < fraction else (p["solution"], p["answer"])
+        out.append({"prompt": prompt_of(p["problem"]), "completion": f"{sol} The answer is {ans}.",
+                    "flawed": sol != p["solution"]})
+    return out
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -249,6 +275,8 @@ def main() -> int:
     ap.add_argument("--rl", type=int, default=1000)
     ap.add_argument("--heldout", type=int, default=300)
     ap.add_argument("--dpo", type=int, default=200, help="training preference pairs (from the SFT split's last rows)")
+    ap.add_argument("--noisy-fraction", type=float, default=0.5,
+                    help="of the two-step SFT solutions, the share sft_noisy.jsonl stops after the first step")
     args = ap.parse_args()
     probs = make_problems(args.heldout + args.rl + args.sft, args.seed)
     random.Random(args.seed + 1).shuffle(probs)  # splits drawn from one pool: disjoint by construction
@@ -261,11 +289,13 @@ def main() -> int:
                                           "template": p["template"]} for p in rl])
     write_jsonl(out / "sft.jsonl", [{"prompt": prompt_of(p["problem"]),
                                      "completion": f"{p['solution']} The answer is {p['answer']}."} for p in sft])
+    noisy = noisy_sft(sft, args.noisy_fraction, args.seed + 4)
+    write_jsonl(out / "sft_noisy.jsonl", noisy)
     # DPO (the chain SFT -> DPO -> GSPO): pairs on SFT-split problems to train, on the held-out problems to measure
     write_jsonl(out / "dpo_train.jsonl", dpo_pairs(sft[-args.dpo:], args.seed + 2))
     write_jsonl(out / "dpo_heldout.jsonl", dpo_pairs(held, args.seed + 3))
-    print(f"wrote {len(held)} heldout, {len(rl)} rl_train, {len(sft)} sft rows, {args.dpo} + {len(held)} DPO pairs "
-          f"to {out}")
+    print(f"wrote {len(held)} heldout, {len(rl)} rl_train, {len(sft)} sft rows ({sum(r['flawed'] for r in noisy)} "
+          f"stopped early in sft_noisy), {args.dpo} + {len(held)} DPO pairs to {out}")
     return 0
 
 

@@ -60,10 +60,12 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated arm names")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--suffix", default="", help="appended to the run folders' names (e.g. _12steps)")
+    ap.add_argument("--data", default=BASE["data.name"],
+                    help="the SFT rows (e.g. experiments/rl/data/sft_noisy.jsonl, a flawed demonstrator's)")
     args = ap.parse_args()
-    if not (ROOT / BASE["data.name"]).is_file():
-        raise SystemExit(f"{BASE['data.name']} is missing: run experiments/rl/make_data.py first")
-    base = {**BASE, "train.steps": args.steps}
+    if not (ROOT / args.data).is_file():
+        raise SystemExit(f"{args.data} is missing: run experiments/rl/make_data.py first")
+    base = {**BASE, "train.steps": args.steps, "data.name": args.data}
     runs, results = Path(args.runs), Path(args.results)
     for name, sets in select(ARMS, args.only, "rl-sft").items():
         folder = runs / (folder_name(name) + args.suffix)

@@ -9,8 +9,10 @@ What is matched, setting by setting (thinpipe key -> GRPOConfig field):
   no system turn, assistant header open); the script checks that TRL's token ids equal thinpipe's;
 - reward: ``thinpipe.objective.rewards.math_reward`` (1 for the right final number), no overlong shaping;
 - ``rl.group_size`` -> ``num_generations``; ``rl.prompts_per_step`` x ``rl.group_size`` sequences per generation,
-  ``rl.minibatches`` updates on them -> ``steps_per_generation`` with ``per_device_train_batch_size`` = a
-  minibatch's sequences; thinpipe's ``train.steps`` generations -> ``max_steps`` = steps x minibatches updates;
+  ``rl.minibatches`` updates on them -> ``gradient_accumulation_steps`` = a minibatch's sequences / ``--micro``
+  (``per_device_train_batch_size``), ``steps_per_generation`` = minibatches x that; TRL's "grpo" loss divides by the
+  accumulation, as thinpipe weighs each sequence 1 / (an update's sequences); thinpipe's ``train.steps``
+  generations -> ``max_steps`` = steps x minibatches updates;
 - ``rl.clip_low`` / ``rl.clip_high`` -> ``epsilon`` / ``epsilon_high``; ``rl.ratio_level = sequence`` ->
   ``importance_sampling_level = "sequence"``; seq-mean-token-mean -> ``loss_type = "grpo"``; GRPO advantages with
   the group's unbiased std -> ``scale_rewards = "group"``; no KL -> ``beta = 0``;
@@ -86,6 +88,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--micro", type=int, default=16,
+                    help="rollouts per forward; an update's rollouts are accumulated over several (memory: a "
+                         "forward of 64 rollouts needs ~10 GB here for its logits over a 49k vocabulary)")
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--data", default=str(HERE / "data"))
     ap.add_argument("--threads", type=int, default=1)
@@ -117,10 +122,14 @@ def main() -> int:
         return [math_reward(c, x) for c, x in zip(completions, answer)]
 
     sequences = a.prompts * a.group
+    per_update = sequences // a.minibatches
+    if per_update % a.micro:
+        raise SystemExit(f"--micro {a.micro} must divide an update's {per_update} rollouts")
+    accumulate = per_update // a.micro  # one optimizer update per rl minibatch, as thinpipe's chunks accumulate
     cfg = GRPOConfig(
         output_dir=str(out / "trainer"), seed=a.seed, data_seed=a.seed, use_cpu=True, bf16=False,
-        per_device_train_batch_size=sequences // a.minibatches, steps_per_generation=a.minibatches,
-        gradient_accumulation_steps=1, num_generations=a.group, num_iterations=1,
+        per_device_train_batch_size=a.micro, steps_per_generation=a.minibatches * accumulate,
+        gradient_accumulation_steps=accumulate, num_generations=a.group, num_iterations=1,
         max_steps=a.steps * a.minibatches, max_completion_length=a.max_new,
         temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=3e-4, epsilon_high=4e-4,
         importance_sampling_level="sequence", loss_type="grpo", scale_rewards="group",
