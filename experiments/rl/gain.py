@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -46,6 +47,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from eval_heldout import stderr  # noqa: E402  (the held-out accuracy's stderr, one definition)
+from sft import copy_small  # noqa: E402
 
 ROOT = HERE.parents[1]
 
@@ -154,12 +156,15 @@ def report(runs: Path, init: str, dest: Path) -> None:
         if (f / "summary.json").is_file():
             seed = int(f.name.rsplit("_s", 1)[1])
             rows.append(thinpipe_row(f, seed))
+            copy_small(f, dest.parent / "runs" / f.name)
             m = [json.loads(x) for x in (f / "metrics.jsonl").read_text().splitlines() if x.strip()]
             curves.append((f"thinpipe seed {seed}", [r["step"] + 1 for r in m], [r["reward_mean"] for r in m],
                            rows[-1]))
     for f in sorted(runs.glob(f"gain_{init}_trl_s*")):
         if (f / "result.json").is_file():
             rows.append(trl_row(f))
+            (dest.parent / "runs" / f.name).mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f / "result.json", dest.parent / "runs" / f.name / "result.json")
             res = json.loads((f / "result.json").read_text())
             pts = [(h["step"], h["reward"]) for h in res["log"] if "reward" in h]
             curves.append((f"TRL GRPOTrainer seed {res['seed']}", [(s + 1) // MINIBATCHES for s, _ in pts],
