@@ -7,7 +7,7 @@ from the Dense and the best compressed SFT arm (Outlier 4b-1b: results/sft_basel
   ``data/dpo_heldout.jsonl`` (the held-out problems' right solution vs a slip in its last step);
 - GSPO: ``gain.py``'s setting from the DPO run (its step-0 ``val_accuracy`` is the DPO model's held-out accuracy).
 
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/chain.py --jobs 2
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/chain.py --jobs 2 --gspo-steps 10   # README: 10 GSPO steps
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/eval_heldout.py --model /work/rl_runs/chain_dpo_Dense \\
         --model /work/rl_runs/chain_dpo_Outlier_4b-1b --samples 0 --max-new-tokens 64 \\
         --out experiments/rl/results/chain_heldout.json                 # held-out accuracy after DPO

@@ -90,6 +90,7 @@ def evaluate(which: str, rows: list[dict], args) -> dict:
     res = {"model": which, "n": n, "greedy_acc": p, "greedy_stderr": stderr(p, n),
            "format_rate": sum("The answer is" in c for c in comps) / n,
            "per_template": {t: round(sum(v) / len(v), 3) for t, v in sorted(per_template.items())},
+           "correct": "".join(str(int(k)) for k in ok),  # item by item, for paired comparisons of two models
            "examples": [{"prompt": r["prompt"].split("\n")[0], "answer": a, "completion": c, "correct": k}
                         for r, a, c, k in list(zip(rows, answers, comps, ok))[:5]]}
     if args.samples:

@@ -9,9 +9,12 @@ The gain runs (README "Issue 40"): the start is the flawed demonstrator's SFT (`
 ``data/sft_noisy.jsonl``: half of the two-step solutions stop after their first step):
 
     .venv/bin/python experiments/rl/make_data.py
-    .venv/bin/python experiments/rl/sft.py --steps 60 --only Dense --suffix _noisy \
+    .venv/bin/python experiments/rl/sft.py --steps 60 --only Dense --suffix _noisy \\
         --data experiments/rl/data/sft_noisy.jsonl --threads 2
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/eval_heldout.py --model /work/rl_runs/sft_Dense_noisy \\
+        --model /work/rl_runs/gain_sft_Dense_noisy_thinpipe_s0 --model /work/rl_runs/gain_sft_Dense_noisy_thinpipe_s1 \\
+        --samples 0 --max-new-tokens 64 --out experiments/rl/results/gain_heldout.json   # HF generate, item by item
     .venv/bin/python experiments/rl/gain.py --report      # results/gain.json, results/gain_curves.png
 
 The screen from the clean 60-step SFT (``--init sft_Dense``) and a 12-step one; the first four ran 4 prompts a step
@@ -20,11 +23,11 @@ and 2 updates (``rl.prompts_per_step = 4``, ``rl.minibatches = 2``), each run's 
 
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 40 --lr 1e-5 --run thinpipe:0
     OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/sft.py --steps 12 --only Dense --suffix _12steps
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 30 --lr 1e-5 \
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 30 --lr 1e-5 \\
         --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3      # stopped after 11-14 steps
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 20 --lr 5e-5 \
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense_12steps --steps 20 --lr 5e-5 \\
         --run thinpipe:0 --run thinpipe:1 --run trl:0 --jobs 3      # seed 1 and TRL stopped after 7-9 steps
-    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 30 \
+    OMP_NUM_THREADS=1 .venv/bin/python experiments/rl/gain.py --init sft_Dense --steps 30 \\
         --run thinpipe:0 --run thinpipe:1 --run trl:0               # today's setting; stopped at step 15-16 (held-out
                                                                     # 0.410 / 0.397 at step 15), TRL at 9
 
@@ -117,6 +120,30 @@ def trl_row(folder: Path) -> dict:
             "n_heldout": r["after"]["n"], "run": folder.name}
 
 
+def paired(rows: list[dict], init: str, held: Path) -> None:
+    """Add to each thinpipe row the independent HF ``generate`` measure of its start and its end (``held``, written by
+    ``eval_heldout.py``, when it exists): accuracy, per template, and the item-by-item change (paired: the same
+    300 problems before and after, so the change's stderr is that of the per-item differences)."""
+    if not held.is_file():
+        return
+    res = json.loads(held.read_text())["results"]
+    if init not in res:
+        return
+    b = [int(c) for c in res[init]["correct"]]
+    for r in rows:
+        if r["trainer"] != "thinpipe" or r["run"] not in res:
+            continue
+        a = [int(c) for c in res[r["run"]]["correct"]]
+        d = [x - y for x, y in zip(a, b)]
+        mean = sum(d) / len(d)
+        var = sum((x - mean) ** 2 for x in d) / (len(d) - 1)
+        r["hf_generate"] = {"accuracy_before": sum(b) / len(b), "accuracy_after": sum(a) / len(a),
+                            "items_gained": d.count(1), "items_lost": d.count(-1),
+                            "paired_stderr_change": (var / len(d)) ** 0.5,
+                            "per_template_before": res[init]["per_template"],
+                            "per_template_after": res[r["run"]]["per_template"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default="/work/rl_runs", help="where the SFT runs are and the GSPO runs go")
@@ -171,6 +198,7 @@ def report(runs: Path, init: str, dest: Path) -> None:
                            [r for _, r in pts], rows[-1]))
     for r in rows:
         r["start"] = init
+    paired(rows, init, dest.with_name(dest.stem + "_heldout.json"))
     dest.parent.mkdir(exist_ok=True)
     dest.write_text(json.dumps(rows, indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4))
