@@ -194,8 +194,8 @@ def report(runs: Path, init: str, dest: Path) -> None:
             shutil.copy2(f / "result.json", dest.parent / "runs" / f.name / "result.json")
             res = json.loads((f / "result.json").read_text())
             pts = [(h["step"], h["reward"]) for h in res["log"] if "reward" in h]
-            curves.append((f"TRL GRPOTrainer seed {res['seed']}", [(s + 1) // MINIBATCHES for s, _ in pts],
-                           [r for _, r in pts], rows[-1]))
+            gens = [-(-s // MINIBATCHES) for s, _ in pts]  # TRL's step counts updates from 1: its generation
+            curves.append((f"TRL GRPOTrainer seed {res['seed']}", gens, [r for _, r in pts], rows[-1]))
     for r in rows:
         r["start"] = init
     paired(rows, init, dest.with_name(dest.stem + "_heldout.json"))
