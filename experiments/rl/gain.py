@@ -127,11 +127,11 @@ def paired(rows: list[dict], init: str, held: Path) -> None:
     if not held.is_file():
         return
     res = json.loads(held.read_text())["results"]
-    if init not in res:
+    if "correct" not in res.get(init, {}):  # no start, or one measured before items were recorded
         return
     b = [int(c) for c in res[init]["correct"]]
     for r in rows:
-        if r["trainer"] != "thinpipe" or r["run"] not in res:
+        if r["trainer"] != "thinpipe" or "correct" not in res.get(r["run"], {}):
             continue
         a = [int(c) for c in res[r["run"]]["correct"]]
         d = [x - y for x, y in zip(a, b)]
