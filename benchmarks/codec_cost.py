@@ -29,6 +29,7 @@ from thinpipe.boundary import build_boundaries
 from thinpipe.boundary.lloyd_max import quantize_rms
 from thinpipe.boundary.tahquant import hadamard_butterfly
 from thinpipe.config import Config, apply_overrides
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.context import make_contexts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +122,7 @@ def main() -> None:
           f"(max |difference| {rot['max_abs_difference']:.2e})")
     RESULTS.write_text(json.dumps({"hidden": HIDDEN, "tokens": tokens, "wire": "bfloat16", "link_mbps": LINK_MBPS,
                                    "threads": torch.get_num_threads(), "repeats": args.repeats, "rows": rows,
-                                   "hadamard": rot}, indent=2))
+                                   "hadamard": rot, **code_stamp()}, indent=2))
     print(f"wrote {RESULTS}")
 
 

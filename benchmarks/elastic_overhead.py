@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "elastic_overhead.json"
 
@@ -58,7 +60,7 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"config": vars(args), "machine": f"{os.cpu_count()} CPU cores", "ratio": ratio,
                                    "losses_equal": same, **{k: {"wall_s": v["wall_s"], "step_s": v["step_s"]}
-                                                            for k, v in res.items()}}, indent=2))
+                                                            for k, v in res.items()}, **code_stamp()}, indent=2))
 
 
 if __name__ == "__main__":

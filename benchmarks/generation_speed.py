@@ -32,6 +32,7 @@ from thinpipe.engine.sim_generate import generate_on_mesh
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.eval.generative import greedy_generate, logits_generate
 from thinpipe.models import merge_stages
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.from_config import load
 from thinpipe.rank.generation import Sampling, truncate_completion
 
@@ -129,7 +130,7 @@ def main() -> None:
     results = []
     with torch.no_grad():
         for name in args.models.split(","):
-            results.append(bench_model(name, args.pp, args.prompts, args.new, args.prompt_len, batches,
+            results.append(code_stamp() | bench_model(name, args.pp, args.prompts, args.new, args.prompt_len, batches,
                                        name in args.skip_whole.split(",")))
     print(f"\n{'model':<14}{'path':<12}{'tok/s':>10}{'x whole-seq':>13}  same text")
     for res in results:

@@ -151,7 +151,7 @@ EOF
 
 stage env "${GPU_CHECK_TIMEOUT_ENV:-120}" env_stage
 
-# 2. the tests marked gpu (tests/test_gpu.py): they skip without CUDA, so the dry run collects and
+# 2. the tests marked gpu (tests/unit/models/test_gpu.py): they skip without CUDA, so the dry run collects and
 # skips them. pytest's exit 5 (no test carries the marker) is a failure on a GPU: the check must
 # not pass by running nothing; in the dry run it only means this tree has no gpu tests yet.
 # Only the files that mark tests gpu are collected: collecting every test module costs ~25 s and

@@ -54,6 +54,7 @@ from thinpipe.data import ByteTokenizer, batches, build_dataset
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
 from thinpipe.placement import DTYPES, autocast, to_device
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.context import positions_and_mask
 from thinpipe.rank.from_config import place
 
@@ -306,7 +307,7 @@ def main(argv=None) -> int:
     print_table(result)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    out.write_text(json.dumps({**result, **code_stamp()}, indent=2))
     print(f"saved {out}")
     return 1 if failed else 0
 

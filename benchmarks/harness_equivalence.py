@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SEEDS = dict(random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
@@ -68,7 +70,7 @@ def main() -> None:
                                                     else f"equal generations {same:.0%}"))
     print(f"wall: hf {t_hf:.0f} s, mesh {t_mesh:.0f} s")
     out = {"model": DEFAULT_MODEL, "limit": args.limit, "pp": args.pp, "rows": rows, "wall_s": {"hf": t_hf,
-           "mesh": t_mesh}, "command": " ".join(sys.argv)}
+           "mesh": t_mesh}, "command": " ".join(sys.argv), **code_stamp()}
     Path(args.results).write_text(json.dumps(finite(out), indent=2, default=float))
     print(f"wrote {args.results}")
 

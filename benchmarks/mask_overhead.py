@@ -22,6 +22,7 @@ from thinpipe.config import Config, apply_overrides
 from thinpipe.data import batches, build_dataset
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
+from thinpipe.provenance import code_stamp
 
 ARMS = {"Dense": {"boundary.kind": "identity"}, "M90": {"boundary.kind": "mask", "boundary.p": 0.90},
         "M95": {"boundary.kind": "mask", "boundary.p": 0.95}}
@@ -74,7 +75,7 @@ def main() -> None:
         print(f"{r['arm']:<7}{r['median_step_s']:>14.3f}{r['step_time_ratio_vs_dense']:>8.3f}"
               f"{r['pp_bytes_per_token']:>12.1f}{r['formula_bytes_per_token']:>9.0f}{r['pp_compression_vs_dense']:>12.1f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows, **code_stamp()}, indent=2))
     print(f"saved {args.out}")
 
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "probe_memory.json"
 # The probe as it was when it stored every batch's gradient of every arm (the last commit before it streamed them).
@@ -65,7 +67,8 @@ def child(code: str, arms: str, rev: str, out: Path) -> int:
 
     torch.set_num_threads(1)
     from thinpipe.config import load_config
-    from thinpipe.rank.from_config import build_data, load, place, val_batches
+    from thinpipe.objective.registry import build_data
+    from thinpipe.rank.from_config import load, place, val_batches
 
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="probe-memory-") as work:
@@ -140,12 +143,11 @@ def main() -> int:
                 break
     print(table(results))
     print("identical results:", same or "(nothing to compare)")
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "settings": SETTINGS, "batches": BATCHES,
         "arms_chosen": ["dense", *ARMS, "(the first N; the whole GRID for 'all'; run in GRID order)"],
-        "before_rev": args.before_rev, "commit": commit, "torch_threads": 1, "identical_results": same,
+        "before_rev": args.before_rev, **code_stamp(), "torch_threads": 1, "identical_results": same,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, shared with other jobs",
         "unit": "bytes (ru_maxrss x 1024; VmHWM agrees)",
         "runs": [{k: v for k, v in r.items() if k != "rows"} | {"arm_names": [x["arm"] for x in r["rows"]]}

@@ -19,6 +19,7 @@ from thinpipe.data import batches, build_dataset
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import load_model
 from thinpipe.optim.spectral import SpectralCorrection
+from thinpipe.provenance import code_stamp
 
 
 def timed(fn, repeats):
@@ -86,7 +87,7 @@ def main() -> None:
     print(f"{'overhead per step':<34}{per_step:>9.3f} s = {100 * per_step / step_s:.1f}% of a train step "
           f"({per_step / adamw_s:.1f}x the AdamW update)")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(row, indent=2))
+    Path(args.out).write_text(json.dumps({**row, **code_stamp()}, indent=2))
 
 
 if __name__ == "__main__":

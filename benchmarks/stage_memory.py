@@ -30,6 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "stage_memory.json"
 SETTINGS = ["model.name=smollm2-135m", "model.tied=untie", "data.name=synthetic", "data.val_rows=1",
@@ -109,9 +111,8 @@ def main() -> int:
                 print(f"{arm}, {stages} stages: peak RSS per rank (MiB) "
                       f"{[round(p / 2**20) for p in peaks]}", flush=True)
     print(table(results))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps({"settings": settings, "unit": "bytes (ru_maxrss x 1024)", "commit": commit,
+    args.results.write_text(json.dumps({"settings": settings, "unit": "bytes (ru_maxrss x 1024)", **code_stamp(),
                                         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
                                         "peak_rss_bytes": results,
                                         "step_s": {f"{a}-pp{n}": v for (a, n), v in run_job.step_s.items()}},

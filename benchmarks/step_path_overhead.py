@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 OLD = Path("/tmp/old")
 SETTINGS = ["model.name=tiny-llama", "data.name=synthetic", "mesh.dp=2", "mesh.pp=2", "dp.kind=allreduce",
@@ -45,7 +47,7 @@ def main() -> None:
     print(f"| old | new | new / old | losses equal |\n|---|---|---|---|\n"
           f"| {old * 1000:.2f} ms | {new * 1000:.2f} ms | {new / old:.3f} | {equal} |")
     out = {"settings": SETTINGS, "old_commit": "fb12daf", "old_ms": old * 1000, "new_ms": new * 1000,
-           "ratio": new / old, "losses_equal": equal}
+           "ratio": new / old, "losses_equal": equal, **code_stamp()}
     (ROOT / "benchmarks" / "results" / "step_path_overhead.json").write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,7 +73,8 @@ def main() -> int:
         print(f"{'make test':<16}{full_s:>9.1f}{full_s / 60:>9.2f}  {rc_full}")
         print(f"{tests} tests collected, {os.cpu_count()} cores, commit {commit[:10]}")
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        # the commit measured is the clone's HEAD (``commit`` above); the stamp's is this script's checkout
+        Path(args.out).write_text(json.dumps({**code_stamp(), **result}, indent=2) + "\n")
         if rc_fast or rc_full:
             print(tail, file=sys.stderr)
         return 1 if rc_fast or rc_full else 0

@@ -24,6 +24,7 @@ import torch
 from thinpipe.comm.header import encode_header
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.wire_auth import LinkAuth
+from thinpipe.provenance import code_stamp
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "wire_auth.json"
 LINK_MBPS = 200.0
@@ -64,7 +65,7 @@ def main() -> None:
         print(f"{mode:<15} {ms:8.3f} {1e3 / ms:9.1f} {ms / link_ms_per_mb:21.1%}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"payload_bytes": payload.nbytes, "repeats": args.repeats, "link_mbps": LINK_MBPS,
-                                   "link_ms_per_mb": link_ms_per_mb, "modes": rows}, indent=2) + "\n")
+                                   "link_ms_per_mb": link_ms_per_mb, "modes": rows, **code_stamp()}, indent=2) + "\n")
     print(f"-> {RESULTS}")
 
 

@@ -1,4 +1,4 @@
-"""Tiny random configs of every model family thinpipe supports (tests/test_families.py): 4 layers,
+"""Tiny random configs of every model family thinpipe supports (tests/unit/models/test_families.py): 4 layers,
 hidden 64, vocabulary 512, a sliding window of 4 tokens (shorter than the tests' sequences) where the
 family has one, alternating full and sliding layers where it mixes them, and each family's own
 transforms outside the decoder layers switched on at values that change the logits."""

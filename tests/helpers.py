@@ -3,7 +3,9 @@ rule for tests whose data must be downloaded (`skip_or_fail`)."""
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,3 +67,33 @@ def crash_sim_at_step(monkeypatch, step: int):
 
     monkeypatch.setattr(SimMesh, "update", crashing_update)
     return lambda: monkeypatch.setattr(SimMesh, "update", real_update)
+
+
+def engine_step(engine, step: int) -> float | None:
+    """One step of a run-loop engine as ``engine/loop.py: run`` takes it: the engine brackets the objective's step."""
+    return engine.commit_step(step, engine.objective.step(engine.before_step(step)))
+
+
+# fields two equal runs may differ in: wall clock, the engine's name, and whether the checkout had edits when each
+# process first asked (thinpipe/provenance.py: a test's processes start at different times)
+WALL_CLOCK = {"wall_s", "tokens_per_s", "anchor_wait_s", "engine", "dirty"}
+
+
+def run_files(folder) -> tuple[list[dict], dict]:
+    """A run folder's ``metrics.jsonl`` rows and ``summary.json``."""
+    folder = Path(folder)
+    rows = [json.loads(x) for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    return rows, json.loads((folder / "summary.json").read_text())
+
+
+def assert_same_run_files(a, b) -> None:
+    """Two run folders' files, field by field; only wall-clock fields (and the engine's name) may differ."""
+    (rows_a, sum_a), (rows_b, sum_b) = run_files(a), run_files(b)
+    assert len(rows_a) == len(rows_b)
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra.keys() == rb.keys()
+        assert {k: v for k, v in ra.items() if k not in WALL_CLOCK} == \
+            {k: v for k, v in rb.items() if k not in WALL_CLOCK}
+    assert sum_a.keys() == sum_b.keys()
+    assert {k: v for k, v in sum_a.items() if k not in WALL_CLOCK} == \
+           {k: v for k, v in sum_b.items() if k not in WALL_CLOCK}

@@ -13,7 +13,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "thinpipe"
 
 LAYERS = [
-    ["thinpipe.console", "thinpipe.plugins"],                         # one-line output, boundary kinds of plugins
+    ["thinpipe.console", "thinpipe.plugins",                          # one-line output, boundary kinds of plugins,
+     "thinpipe.provenance"],                                          # the code stamp (version, commit) of results
     ["thinpipe.config"],
     ["thinpipe.faults"],                                              # the tests' fault injection, read once
     ["thinpipe.layout", "thinpipe.placement", "thinpipe.checkpoint",  # the rank grid, where a rank computes,

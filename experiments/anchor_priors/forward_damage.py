@@ -21,6 +21,7 @@ from thinpipe.boundary import MaskBoundary
 from thinpipe.boundary.link import receiver_forward, sender_forward
 from thinpipe.data import batches, build_dataset
 from thinpipe.models import build_stages, load_model
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.context import make_contexts
 
 
@@ -94,7 +95,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['method']:<58}{r['boundaries']:>7}{r['p']:>6.2f}{r['loss']:>8.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=2))
+    Path(args.out).write_text(json.dumps([{**r, **code_stamp()} for r in rows], indent=2))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import matplotlib
 
+from thinpipe.provenance import code_stamp
+
 matplotlib.use("Agg")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: arms.py
 import matplotlib.pyplot as plt  # noqa: E402
@@ -101,7 +103,7 @@ def main() -> None:
         plot_suite(suite, results, out / f"{suite}.png")
         report[suite] = {a: {k: v for k, v in s.items() if k != "metrics"} for a, s in results.items()}
     (out / "report.md").write_text("\n".join(md))
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.json").write_text(json.dumps({**report, **code_stamp()}, indent=2))
     print("\n".join(md))
 
 

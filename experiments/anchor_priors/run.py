@@ -17,6 +17,8 @@ import json
 import sys
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arms import arm_dir as shared_arm_dir  # noqa: E402
 from arms import run_suite, select  # noqa: E402
@@ -95,7 +97,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     arms = SUITES[args.suite]
     # The whole suite's definition is recorded, whichever of its arms this invocation runs.
-    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": base, "arms": arms}, indent=2))
+    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": base, "arms": arms, **code_stamp()}, indent=2))
     arms = select(arms, args.only, args.suite)
     run_suite(arms, out, base, args.jobs, args.threads, ALIASES)
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import matplotlib
 
+from thinpipe.provenance import code_stamp
+
 matplotlib.use("Agg")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # experiments/: arms.py
 import matplotlib.pyplot as plt  # noqa: E402
@@ -114,7 +116,7 @@ def main() -> None:
         report.append(text)
         data["generative"] = rows
     (out / "report.md").write_text("\n".join(report))
-    (out / "report.json").write_text(json.dumps(data, indent=2))
+    (out / "report.json").write_text(json.dumps({**data, **code_stamp()}, indent=2))
     print("\n".join(report))
 
 

@@ -26,6 +26,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arms import arm_dir, run_suite, select  # noqa: E402
 
@@ -127,7 +129,7 @@ def main() -> None:
         generative(out, args.generative_limit, args.jobs)
         return
     arms = SUITES[args.suite]
-    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": BASE, "arms": arms}, indent=2))
+    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": BASE, "arms": arms, **code_stamp()}, indent=2))
     arms = select(arms, args.only, args.suite)
     run_suite(arms, out, BASE, args.jobs, args.threads)
     for name in arms:

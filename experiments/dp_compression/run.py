@@ -20,6 +20,8 @@ from pathlib import Path
 
 import matplotlib
 
+from thinpipe.provenance import code_stamp
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -88,7 +90,8 @@ def main() -> None:
     print(table)
     (out / "report.md").write_text(table + "\n")
     (out / "report.json").write_text(json.dumps({"base": BASE, "steps": args.steps, "arms": ARMS, "rows": rows,
-                                                 "val_points": {k: v["val_points"] for k, v in results.items()}},
+                                                 "val_points": {k: v["val_points"] for k, v in results.items()},
+                                                 **code_stamp()},
                                                 indent=2))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, s in results.items():

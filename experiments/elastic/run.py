@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from thinpipe.checkpoint import load_part, sets
+from thinpipe.provenance import code_stamp
 
 HERE = Path(__file__).resolve().parent
 
@@ -84,7 +85,7 @@ def main() -> None:
               f"{j.get('rejoin_s', '-')!s:>8} {j.get('at_step', '-')!s:>7} {r['final_val_loss']:>9.4f} "
               f"{str(r['weights_equal_across_replicas']):>6} {r['job_wall_s']:>7}")
     print(f"held-out loss, killed vs uninterrupted: {100 * (b['final_val_loss'] / a['final_val_loss'] - 1):+.2f}%")
-    out = {"config": vars(args), "machine": f"{os.cpu_count()} CPU cores", "rows": rows}
+    out = {"config": vars(args), "machine": f"{os.cpu_count()} CPU cores", "rows": rows, **code_stamp()}
     name = "elastic.json" if args.scheme == "allreduce" and args.kill_replica == "1:1" else \
         f"elastic-{args.scheme}-kill{args.kill_replica.replace(':', '.')}.json"
     (HERE / "results" / name).write_text(json.dumps(out, indent=2))

@@ -33,7 +33,9 @@ from thinpipe.boundary.quant import dequantize, quantize
 from thinpipe.boundary.tahquant import code_entropy, hadamard
 from thinpipe.config import Config, apply_overrides
 from thinpipe.engine.sim_mesh import SimMesh
-from thinpipe.rank.from_config import build_data, load, place, residual_batches, val_batches
+from thinpipe.objective.registry import build_data
+from thinpipe.provenance import code_stamp
+from thinpipe.rank.from_config import load, place, residual_batches, val_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from anchor_priors.run import BASE  # noqa: E402  (the frontier recipe)
@@ -157,7 +159,7 @@ def main() -> None:
     for b, (x, g, c) in enumerate(zip(xs, gs, calib)):
         result["boundaries"].append({"boundary": b, "activation": activation_stats(x, c),
                                      "gradient": gradient_stats(g, seq)})
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps({**result, **code_stamp()}, indent=2))
     for r in result["boundaries"]:
         a, g = r["activation"], r["gradient"]
         print(f"boundary {r['boundary']}: outlier energy {a['outlier_energy_share']:.1%}, rotated kurtosis "

@@ -29,8 +29,10 @@ import torch
 from thinpipe.boundary import KltBoundary
 from thinpipe.config import Config, apply_overrides
 from thinpipe.engine.sim_mesh import SimMesh
+from thinpipe.objective.registry import build_data
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.context import make_contexts
-from thinpipe.rank.from_config import build_data, load, residual_batches, val_batches
+from thinpipe.rank.from_config import load, residual_batches, val_batches
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ARMS, FRONTIER_BASE  # noqa: E402
@@ -112,7 +114,7 @@ def main() -> None:
                 row[f"refit_gain_db_{table}"] = 10 * float(torch.log10(torch.tensor(old / new)))
             rows.append(row)
             print(json.dumps(row))
-    Path(args.out).write_text(json.dumps({"arm": ARM, "rows": rows}, indent=2))
+    Path(args.out).write_text(json.dumps({"arm": ARM, "rows": rows, **code_stamp()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import torch
 
 from thinpipe.boundary import build_boundaries
 from thinpipe.config import Config, apply_overrides
+from thinpipe.config.aliases import flat_aliases
+from thinpipe.provenance import code_stamp
 
 HERE = Path(__file__).resolve().parent
 SOURCES = [(HERE / "results", "frontier"), (HERE / "results" / "old_split", "frontier, old split"),
@@ -50,10 +52,21 @@ SETTING_KEYS = ("p", "fwd_bits", "bwd_bits", "outlier_channels", "outlier_grid",
                 "klt_channels", "klt_scale", "klt_refresh_every")
 
 
+def boundary_keys(cfg: dict) -> dict:
+    """A run folder's ``[boundary]`` under the flat keys of before issue 49: its kind's table (``[boundary.klt]
+    bits``, what a run of since then records) as the table's flat aliases (``klt_bits``)."""
+    flat = {new: old.removeprefix("boundary.") for old, new in flat_aliases().items()}
+    out = {k: v for k, v in cfg["boundary"].items() if not isinstance(v, dict)}
+    for kind, table in cfg["boundary"].items():
+        if isinstance(table, dict):
+            out.update({flat.get(f"boundary.{kind}.{k}", f"{kind}.{k}"): v for k, v in table.items()})
+    return out
+
+
 def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
     """The setting's PP bytes per token on a bf16 wire: the boundary's formula at 2 B per value. MAPL and
     SSN need the model to build; their r values each way halve, their token ids and codes do not."""
-    b = cfg["boundary"]
+    b = boundary_keys(cfg)
     if b["kind"] in ("mapl", "ssn"):
         return fp32_bytes - b["rank"] * 2 * 2 * BOUNDARIES
     if b["kind"] == "klt":  # codes, bf16 scales and bf16 channels both ways: nothing crosses in the wire dtype
@@ -82,7 +95,7 @@ def arm_row(folder: Path, source: str) -> dict | None:
         return None
     s = json.loads((folder / "summary.json").read_text())
     cfg = tomllib.loads((folder / "config.toml").read_text())
-    b = cfg["boundary"]
+    b = boundary_keys(cfg)
     vals = s["val_points"]
     best_step, best = min(vals, key=lambda v: v[1])
     # side information (a start's basis and tables, MAPL's projector sync): metered on pp_params, sent in its
@@ -204,7 +217,7 @@ def main() -> None:
     entries = settings(rows)
     rows.sort(key=lambda r: (r["split"] != "fixed", r["steps"], -r["pp_bytes_per_token_bf16"], r["arm"], r["seed"]))
     out = HERE / "results"
-    (out / "frontier.json").write_text(json.dumps(rows, indent=2))
+    (out / "frontier.json").write_text(json.dumps([{**r, **code_stamp()} for r in rows], indent=2))
     (out / "frontier_settings.json").write_text(json.dumps(entries, indent=2))
     lines = table(entries) + verdicts(entries)
     old = [r for r in rows if r["split"] == "old"]

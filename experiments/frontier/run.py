@@ -21,6 +21,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from anchor_priors.run import BASE  # noqa: E402  (the same recipe, by construction)
 from arms import arm_dir, run_suite, select  # noqa: E402
@@ -121,7 +123,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "suite.json").write_text(json.dumps({"base": FRONTIER_BASE, "arms": ARMS}, indent=2))
+    (out / "suite.json").write_text(json.dumps({"base": FRONTIER_BASE, "arms": ARMS, **code_stamp()}, indent=2))
     seeds = [int(s) for s in args.seeds.split(",")]
     runs = {}
     for name, sets in select(ARMS, args.only, "frontier").items():

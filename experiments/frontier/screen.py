@@ -16,6 +16,7 @@ from pathlib import Path
 
 from thinpipe.commands.probe_lib import format_table, probe
 from thinpipe.config import Config, apply_overrides
+from thinpipe.provenance import code_stamp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run import ARMS, FRONTIER_BASE  # noqa: E402
@@ -38,7 +39,7 @@ def main() -> None:
     grid = [("dense", {"boundary.kind": "identity"})] + [(a, ARMS[a]) for a in names]
     only = [int(b) for b in args.boundaries.split(",") if b.strip()] or None
     result = probe(cfg, grid, args.batches, only)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps({**result, **code_stamp()}, indent=2))
     print(format_table(result))
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import matplotlib
 
+from thinpipe.provenance import code_stamp
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -92,7 +94,7 @@ def main() -> None:
         plot(suite, results, out / f"{suite}.png")
         report[suite] = {a: {k: v for k, v in s.items() if k != "metrics"} for a, s in results.items()}
     (out / "report.md").write_text("\n".join(md))
-    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.json").write_text(json.dumps({**report, **code_stamp()}, indent=2))
     print("\n".join(md))
 
 

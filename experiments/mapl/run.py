@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arms import run_suite, select  # noqa: E402
 
@@ -71,7 +73,8 @@ def main() -> None:
     base = BASES.get(args.suite, PRETRAIN)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"suite_{args.suite}.json").write_text(json.dumps({"base": base, "arms": SUITES[args.suite]}, indent=2))
+    suite = {"base": base, "arms": SUITES[args.suite], **code_stamp()}
+    (out / f"suite_{args.suite}.json").write_text(json.dumps(suite, indent=2))
     run_suite(select(SUITES[args.suite], args.only, args.suite), out, base, args.jobs, args.threads, ALIASES)
 
 

@@ -24,6 +24,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from eval_heldout import stderr  # noqa: E402
@@ -88,7 +90,7 @@ def report(runs: Path) -> None:
         for run in (dpo, gspo):
             if (run / "summary.json").is_file():
                 copy_small(run, res / "runs" / run.name)
-    (res / "chain.json").write_text(json.dumps(out, indent=1) + "\n")
+    (res / "chain.json").write_text(json.dumps([{**r, **code_stamp()} for r in out], indent=1) + "\n")
     show = lambda v: "not run" if v is None else f"{v:.3f}"  # noqa: E731
     for r in out:
         print(f"{r['arm']:14s} held-out accuracy SFT {show(r['accuracy_after_sft'])} -> DPO "

@@ -28,6 +28,7 @@ import torch
 
 from thinpipe.data.chat import prompt_text
 from thinpipe.eval.generative import gsm8k_extract, normalize_number
+from thinpipe.provenance import code_stamp
 
 HERE = Path(__file__).resolve().parent
 
@@ -132,7 +133,7 @@ def main() -> int:
     for which in args.model:
         r = evaluate(which, rows, args)
         key = "base" if which == "base" else Path(which).name
-        results[key] = r
+        results[key] = {**r, **code_stamp()}
         s = r.get("sampling", {})
         print(f"{key}: greedy {r['greedy_acc']:.3f} +- {r['greedy_stderr']:.3f} (n={r['n']}), format "
               f"{r['format_rate']:.2f}, sampled acc {s.get('acc', float('nan')):.2f}, groups with spread "

@@ -47,6 +47,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from eval_heldout import stderr  # noqa: E402  (the held-out accuracy's stderr, one definition)
@@ -200,7 +202,7 @@ def report(runs: Path, init: str, dest: Path) -> None:
         r["start"] = init
     paired(rows, init, dest.with_name(dest.stem + "_heldout.json"))
     dest.parent.mkdir(exist_ok=True)
-    dest.write_text(json.dumps(rows, indent=1) + "\n")
+    dest.write_text(json.dumps([{**r, **code_stamp()} for r in rows], indent=1) + "\n")
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, x, y, row in curves:
         k = 5  # a 5-generation running mean: one generation is PROMPTS x GROUP rollouts

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from thinpipe.provenance import code_stamp
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from eval_heldout import generate, load  # noqa: E402
@@ -108,7 +110,7 @@ def main() -> int:
            "batches": stats, "cos_between_batches": {"B": b, "mean": c_full, "stderr": se_full, "pairs": cos_full},
            "cos_between_half_batches": {"B": b // 2, "mean": c_half, "stderr": se_half, "pairs": cos_half},
            "rollouts_for_cos_0.5_at_least": b * (1 / upper - 1) if 0 < upper < 1 else None,
-           "wall_s": time.time() - t0}
+           "wall_s": time.time() - t0, **code_stamp()}
     Path(a.out).write_text(json.dumps(res, indent=1) + "\n")
     print(f"cos between independent batches: B = {b}: {c_full:.3f} +- {se_full:.3f}; B = {b // 2}: {c_half:.3f} +- "
           f"{se_half:.3f}; rollouts per update for a half-signal direction: at least "

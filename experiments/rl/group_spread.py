@@ -19,6 +19,8 @@ import json
 from math import comb
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -48,7 +50,7 @@ def main() -> int:
             print(f"{name}: G={g:2d}: expected zero-advantage groups {frac:.3f}, rollouts with signal per step of "
                   f"{a.prompts_per_step} prompts {a.prompts_per_step * g * (1 - frac):.1f}")
         res["zero_std"] = {"prompts": len(ks), "samples_per_prompt": n, "per_prompt_correct": ks,
-                           "prompts_per_step": a.prompts_per_step, "by_group_size": table}
+                           "prompts_per_step": a.prompts_per_step, "by_group_size": table, **code_stamp()}
     path.write_text(json.dumps(saved, indent=1))
     return 0
 

@@ -14,6 +14,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arms import load_results, save_figure  # noqa: E402
 
@@ -112,7 +114,7 @@ def main() -> int:
         for f in SMALL_FILES:
             if (folder / f).is_file():
                 shutil.copy2(folder / f, dest / f)
-    (HERE / "results" / "rl.json").write_text(json.dumps(table, indent=2))
+    (HERE / "results" / "rl.json").write_text(json.dumps([{**r, **code_stamp()} for r in table], indent=2))
     variants = []  # the same GSPO run at another setting (not a Table 9 arm): results/rl_variants.json
     for arm, name in VARIANTS.items():
         s = load_arm(runs / name)
@@ -123,7 +125,8 @@ def main() -> int:
             for f in SMALL_FILES:
                 if (runs / name / f).is_file():
                     shutil.copy2(runs / name / f, dest / f)
-    (HERE / "results" / "rl_variants.json").write_text(json.dumps(variants, indent=2))
+    (HERE / "results" / "rl_variants.json").write_text(json.dumps([{**r, **code_stamp()} for r in variants],
+                                                                  indent=2))
     table = table + variants
     if results:
         plot(results, HERE / "results" / "rl_curves.png")

@@ -21,6 +21,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from thinpipe.provenance import code_stamp
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arms import run_arm, select  # noqa: E402
 
@@ -75,7 +77,7 @@ def main() -> int:
             print(f"  {name}: final val loss {summary['final_val_loss']:.4f}, {summary['wall_s']:.0f} s "
                   f"({summary['wall_s'] / args.steps:.2f} s/step)", flush=True)
     if not args.suffix:  # the recipe of the arms' main runs
-        (results / "sft_recipe.json").write_text(json.dumps({"base": base, "arms": ARMS}, indent=2))
+        (results / "sft_recipe.json").write_text(json.dumps({"base": base, "arms": ARMS, **code_stamp()}, indent=2))
     return 0
 
 

@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from thinpipe.provenance import code_stamp
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from eval_heldout import generate, stderr  # noqa: E402
@@ -148,7 +150,7 @@ def main() -> int:
     result = {"trainer": "trl", "seed": a.seed, "init": str(a.init), "steps": a.steps, "lr": a.lr,
               "group_size": a.group, "prompts_per_step": a.prompts, "minibatches": a.minibatches,
               "max_response_tokens": a.max_new, "before": before, "after": after, "train_s": train_s,
-              "log": rows}
+              "log": rows, **code_stamp()}
     (out / "result.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -26,8 +26,9 @@ import hashlib
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.boundary.base import Payload, implements
 from thinpipe.boundary.quant import QuantBoundary, dequantize, pack_bits, quantize, unpack_bits
+from thinpipe.config.boundary_kinds import AqsgdKind
 
 
 def row_keys(input_ids: torch.Tensor) -> list[str]:
@@ -36,8 +37,8 @@ def row_keys(input_ids: torch.Tensor) -> list[str]:
     return [hashlib.blake2b(row.numpy().tobytes(), digest_size=12).hexdigest() for row in ids]
 
 
+@implements(AqsgdKind)
 class AqsgdBoundary(QuantBoundary):
-    kind = "aqsgd"
     forward_state = True  # its forward updates its state (base.py)
 
     def __init__(self, *args, **kw):

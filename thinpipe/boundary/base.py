@@ -36,13 +36,25 @@ from torch import nn
 
 from thinpipe.comm.header import Expect
 from thinpipe.comm.payload import Payload
+from thinpipe.config.boundary_kinds import IdentityKind
+from thinpipe.plugins import BoundaryKind
+
+
+def implements(*kinds: type[BoundaryKind]):
+    """Class decorator: the ``Boundary`` class builds these kinds (``from_config``), whose descriptions
+    (``plugins.py: BoundaryKind``: settings and properties, torch-free, a layer below) name it from now on."""
+    def mark(cls):
+        cls.spec = kinds[0]
+        for kind in kinds:
+            kind.implementation = cls
+        return cls
+    return mark
 
 
 class Boundary(nn.Module):
     """Base class: the dense (identity) boundary. Subclasses override what they compress."""
 
-    kind = "identity"
-    architectural = False  # True: part of the model (evaluation runs through it); False: a wire codec
+    spec: type[BoundaryKind] = IdentityKind  # the kind's description (``implements``; an instance may name its own)
     # True: a forward changes the boundary's state (AQ-SGD's buffers, MAPL-VQ's streaming codebooks), so two
     # forwards of one sequence differ; RL's old-log-prob pass needs them equal and refuses such a kind.
     forward_state = False
@@ -50,6 +62,23 @@ class Boundary(nn.Module):
     def __init__(self, index: int, hidden_size: int, wire_dtype: torch.dtype | None = None):
         super().__init__()
         self.index, self.hidden_size, self.wire_dtype = index, hidden_size, wire_dtype
+
+    @classmethod
+    def from_config(cls, cfg, index: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None, model,
+                    shared: dict) -> Boundary:
+        """Boundary ``index`` as ``cfg`` (the ``[boundary]`` section; ``cfg.settings()``: the kind's own table)
+        configures it; ``model`` (the learned kinds' embedding) and ``shared`` (state the replica's boundaries
+        share) as ``plugins.py: BoundaryKind.build`` describes."""
+        return cls(index, hidden_size, wire_dtype)
+
+    @property
+    def kind(self) -> str:
+        return self.spec.name
+
+    @property
+    def architectural(self) -> bool:
+        """True: part of the model (evaluation runs through it); False: a wire codec. The kind says."""
+        return self.spec.architectural
 
     def _to_wire(self, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -73,7 +102,10 @@ class Boundary(nn.Module):
         return Payload({"g": self._to_wire(g)})
 
     # boundary parameters (docs/architecture.md: shared parameters): none here --------------------
-    has_shared_params = False  # True: one end owns parameters the other end computes with (synced per step)
+    @property
+    def has_shared_params(self) -> bool:
+        """True: one end owns parameters the other end computes with (synced per step)."""
+        return False
 
     def attach(self, sender, receiver) -> None:
         """Register the boundary's owned modules on the stages that own them."""
@@ -93,7 +125,10 @@ class Boundary(nn.Module):
         raise NotImplementedError
 
     # learned / stateful kinds (see the module docstring) ---------------------------------------
-    stage_state: StageState | None = None
+    @property
+    def stage_state(self) -> StageState | None:
+        """The ``StageState`` every boundary of the replica shares (see the module docstring); None: none."""
+        return None
 
     def residual_offset(self, ids: torch.Tensor) -> torch.Tensor | None:
         """(B, T, d): the part of the sender's activation that is a function of the tokens alone and
@@ -132,6 +167,12 @@ class Boundary(nn.Module):
         """(forward, backward) payload bytes for ``tokens`` tokens: the formula tests check against."""
         n = tokens * self.hidden_size * element_size
         return n, n
+
+    def planned_bytes(self, tokens: int, element_size: int) -> tuple[float, float]:
+        """(forward, backward) bytes of ``tokens`` tokens of steady training: what ``thinpipe plan`` counts
+        (``plan/planner.py: activation_fraction``, at a token count large enough that no rounding shows).
+        ``expected_bytes``, unless a kind's payload depends on the data and it plans with a bound (``klt``)."""
+        return self.expected_bytes(tokens, element_size)
 
     def max_bytes(self, tokens: int, element_size: int) -> tuple[int, int]:
         """(forward, backward) upper bounds on one payload's bytes, what a receiver accepts: the
@@ -196,3 +237,6 @@ class StageState:
 
     def apply(self, payload: Payload, stage) -> None:
         raise NotImplementedError
+
+
+implements(IdentityKind)(Boundary)

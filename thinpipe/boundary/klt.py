@@ -63,7 +63,7 @@ import math
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.boundary.base import Payload, implements
 from thinpipe.boundary.lloyd_max import SCALE_DTYPE
 from thinpipe.boundary.outlier import OutlierBoundary
 from thinpipe.boundary.quant import pack_bits, packed_bytes, unpack_bits
@@ -80,14 +80,41 @@ from thinpipe.boundary.transform_code import (
     widths,
 )
 from thinpipe.comm.header import Expect, PayloadError
+from thinpipe.config.boundary_kinds import KltKind
 
 CLASSES = ("loss", "context")
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 SCALES = ("width", "token")
 
 
+@implements(KltKind)
 class KltBoundary(OutlierBoundary):
-    kind = "klt"
     RESIZED = ("basis", "std", "bits_loss", "bits_context", "gbasis", "gstd", "gbits")
+    # the buffers (registered in __init__; the refresh's only with refresh_every > 0), typed for the checker
+    mean: torch.Tensor
+    basis: torch.Tensor
+    std: torch.Tensor
+    bits_loss: torch.Tensor
+    bits_context: torch.Tensor
+    grad_klt: torch.Tensor
+    gbasis: torch.Tensor
+    gstd: torch.Tensor
+    gbits: torch.Tensor
+    fwd_sum: torch.Tensor
+    fwd_sq: torch.Tensor
+    fwd_n: torch.Tensor
+    bwd_sq: torch.Tensor
+    bwd_n: torch.Tensor
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        own = cfg.settings()
+        return cls(index, hidden_size, own.bits, own.context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
+                   channels=own.channels, bwd_tokens=own.bwd_tokens, refresh_every=own.refresh_every,
+                   scale=own.scale, basis_dtype=own.basis_dtype)
 
     def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
                  group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 1.0,
@@ -95,17 +122,17 @@ class KltBoundary(OutlierBoundary):
         super().__init__(index, hidden_size, channels, 1, bwd_bits, group, wire_dtype, intact_dtype=BASIS_DTYPE,
                          grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
         if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
-            raise ValueError(f"boundary.klt_bits and boundary.klt_context_bits must be in (0, {MAX_BITS}], got "
+            raise ValueError(f"boundary.klt.bits and boundary.klt.context_bits must be in (0, {MAX_BITS}], got "
                              f"{loss_bits} and {context_bits}")
         if round(min(loss_bits, context_bits) * hidden_size) < 1:
-            raise ValueError(f"boundary.klt_context_bits = {context_bits} leaves no bit for a token of {hidden_size} "
+            raise ValueError(f"boundary.klt.context_bits = {context_bits} leaves no bit for a token of {hidden_size} "
                              "dims")
         if scale not in SCALES:
-            raise ValueError(f"boundary.klt_scale must be one of {SCALES}, got {scale!r}")
+            raise ValueError(f"boundary.klt.scale must be one of {SCALES}, got {scale!r}")
         self.loss_bits, self.context_bits, self.refresh_every = loss_bits, context_bits, refresh_every
         self.per_width = scale == "width"
         if basis_dtype not in ("bfloat16", "int8"):
-            raise ValueError(f"boundary.klt_basis_dtype must be bfloat16 or int8, got {basis_dtype!r}")
+            raise ValueError(f"boundary.klt.basis_dtype must be bfloat16 or int8, got {basis_dtype!r}")
         self.basis_int8 = basis_dtype == "int8"
         # a refresh changes the codes from the decoded data of the steps before it: RL's two forwards of one
         # sequence must code it alike, so a refreshing boundary is refused with GSPO (objective/gspo.py)
@@ -131,7 +158,8 @@ class KltBoundary(OutlierBoundary):
             self.register_buffer("fwd_n", torch.zeros((), dtype=torch.float64))
             self.register_buffer("bwd_sq", torch.zeros(d, d, dtype=torch.float64))
             self.register_buffer("bwd_n", torch.zeros((), dtype=torch.float64))
-        self._step, self._seen = -1, set()
+        self._step: int = -1
+        self._seen: set[tuple[int, str]] = set()  # (microbatch, direction) added to the moments this step
 
     # the start: the basis and tables, fitted by the owner, loaded by every copy ---------------------
     @property
@@ -313,7 +341,8 @@ class KltBoundary(OutlierBoundary):
 
     # what crosses ------------------------------------------------------------------------------
     def _fwd_spec(self, counts: dict[str, int]) -> dict:
-        spec = {"intact": ((sum(counts.values()), self.channels.numel()), BASIS_DTYPE)}
+        spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "intact": ((sum(counts.values()), self.channels.numel()), BASIS_DTYPE)}
         for c in CLASSES:
             spec[f"{c}_scale"] = ((counts[c], self._scales(getattr(self, f"bits_{c}"))), SCALE_DTYPE)
             spec[f"{c}_codes"] = ((codes_bytes(counts[c], getattr(self, f"bits_{c}")),), torch.uint8)
@@ -371,3 +400,12 @@ class KltBoundary(OutlierBoundary):
 
     def max_bytes(self, tokens, element_size):
         return max(self._fwd_bytes(tokens, 0), self._fwd_bytes(0, tokens)), self._bwd_bytes(tokens, element_size)
+
+    def planned_bytes(self, tokens, element_size):
+        """The planner's bound (``thinpipe plan``): every token scored, ``loss_bits`` per dim on average with one
+        scale per token, and the C intact channels; the backward as coded. What it leaves out ``thinpipe probe``
+        measures: a batch's prompt tokens cost ``context_bits`` instead, a table of several widths has a scale
+        per width (``klt.scale = width``: up to 7 more per token), and the start's basis crosses once per run."""
+        per_token = self.channels.numel() * _size(BASIS_DTYPE) + _size(SCALE_DTYPE) + self.loss_bits * \
+            self.hidden_size / 8
+        return tokens * per_token, self.expected_bytes(tokens, element_size)[1]

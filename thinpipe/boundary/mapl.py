@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, implements
+from thinpipe.config.boundary_kinds import MaplKind
 from thinpipe.optim.stiefel import orthonormal
 
 OFFSET_MODES = ("factorized", "full", "static", "none")
@@ -54,6 +55,8 @@ class StageOffset(nn.Module):
     token embedding seen through P (E_tok P^T), so at step 0 the offset is the part of the token
     embedding inside span(P^T) rather than nothing.
     full: a trainable (V, d) table starting at E_tok. static: E_tok, frozen. none: zero."""
+
+    P: torch.Tensor  # the factorized offset's frozen buffer (registered in __init__), typed for the checker
 
     def __init__(self, mode: str, token_embedding: torch.Tensor, rank: int, generator: torch.Generator):
         super().__init__()
@@ -85,9 +88,18 @@ def _rename_legacy_keys(module, state_dict, prefix, *args) -> None:
         state_dict[f"{prefix}offset.{key[len(prefix) + len('anchor.'):]}"] = state_dict.pop(key)
 
 
+@implements(MaplKind)
 class MaplBoundary(Boundary):
-    kind = "mapl"
-    architectural = True
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        emb = model.get_input_embeddings().weight
+        return cls(index, hidden_size, cfg.rank, emb.shape[0], emb, seed, **cls._options(cfg, wire_dtype))
+
+    @staticmethod
+    def _options(cfg, wire_dtype) -> dict:
+        return dict(offset=cfg.offset, trainable=cfg.projector_optim != "fixed", wire_dtype=wire_dtype,
+                    pca_start=cfg.init == "pca")
 
     def __init__(self, index: int, hidden_size: int, rank: int, vocab_size: int, token_embedding: torch.Tensor,
                  seed: int, offset: str = "factorized", trainable: bool = True,

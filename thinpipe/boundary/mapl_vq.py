@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.boundary.base import Payload, implements
 from thinpipe.boundary.mapl import MaplBoundary, id_dtype
 from thinpipe.boundary.vq import StreamingCodebook, code_dtype
+from thinpipe.config.boundary_kinds import MaplVQKind
 
 
 def _unit_rms(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,9 +24,16 @@ def _unit_rms(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat / scale, scale
 
 
+@implements(MaplVQKind)
 class MaplVQBoundary(MaplBoundary):
-    kind = "mapl-vq"
     forward_state = True  # its forward updates its state (base.py)
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        own, emb = cfg.settings(), model.get_input_embeddings().weight
+        return cls(index, hidden_size, cfg.rank, emb.shape[0], emb, seed, **cls._options(cfg, wire_dtype),
+                   codes=own.codes, rounds=own.rounds, group_size=own.group_size, sync_codes=own.sync_codes,
+                   decay=own.decay)
 
     def __init__(self, *args, codes: int = 256, rounds: int = 2, group_size: int = 2, sync_codes: int = 1,
                  decay: float = 0.95, **kwargs):

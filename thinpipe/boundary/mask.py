@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, implements
 from thinpipe.boundary.prf import keep_indices, keep_indices_rows, prf_key
+from thinpipe.config.boundary_kinds import MaskKind
 
 
 def kept_dims(hidden_size: int, p: float) -> int:
@@ -22,8 +23,12 @@ def kept_dims(hidden_size: int, p: float) -> int:
     return max(1, round((1.0 - p) * hidden_size))
 
 
+@implements(MaskKind)
 class MaskBoundary(Boundary):
-    kind = "mask"
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        return cls(index, hidden_size, cfg.p, seed, cfg.rescale, wire_dtype, cfg.p_warmup)
 
     def __init__(self, index: int, hidden_size: int, p: float, seed: int, rescale: bool = True,
                  wire_dtype: torch.dtype | None = None, warmup_steps: int = 0):

@@ -46,7 +46,7 @@ import math
 
 import torch
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, implements
 from thinpipe.boundary.lloyd_max import RMS_SCALE_BYTES, dequantize_rms, quantize_rms
 from thinpipe.boundary.lloyd_max import SCALE_DTYPE as RMS_SCALE_DTYPE
 from thinpipe.boundary.quant import (
@@ -61,12 +61,26 @@ from thinpipe.boundary.quant import (
 )
 from thinpipe.boundary.tahquant import hadamard
 from thinpipe.comm.header import Expect, PayloadError
+from thinpipe.config.boundary_kinds import OutlierKind
 
 GRIDS = ("minmax", "lloyd-max")
 
 
+@implements(OutlierKind)
 class OutlierBoundary(QuantBoundary):
-    kind = "outlier"
+    channels: torch.Tensor  # the intact channels' indices (a buffer registered in __init__), typed for the checker
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        own, (fwd, bwd) = cfg.settings(), cfg.bits()
+        if own.fwd_bits:
+            if len(own.fwd_bits) <= index:
+                raise ValueError(f"boundary.outlier.fwd_bits = {own.fwd_bits} names no bits for boundary {index}: "
+                                 "give one entry per boundary (mesh.pp - 1)")
+            fwd = own.fwd_bits[index]
+        return cls(index, hidden_size, own.channels, fwd, bwd, cfg.quant_group, wire_dtype, own.scale_group,
+                   None if own.dtype == "wire" else torch.bfloat16, grid=own.grid, bwd_scale_group=own.bwd_scale_group,
+                   bwd_tokens=own.bwd_tokens, compress=cfg.compress)
 
     def __init__(self, index: int, hidden_size: int, channels: int, fwd_bits: int, bwd_bits: int, group: int,
                  wire_dtype: torch.dtype | None = None, scale_group: int = 0, intact_dtype: torch.dtype | None = None,
@@ -75,8 +89,8 @@ class OutlierBoundary(QuantBoundary):
         if self.group & (self.group - 1):
             raise ValueError(f"outlier tiles are Hadamard-rotated: boundary.quant_group must be a power of two, got "
                              f"{self.group}")
-        self.scale_group = self._scale_group(scale_group, "outlier_scale_group")
-        self.bwd_scale_group = self._scale_group(bwd_scale_group, "outlier_bwd_scale_group")
+        self.scale_group = self._scale_group(scale_group, "outlier.scale_group")
+        self.bwd_scale_group = self._scale_group(bwd_scale_group, "outlier.bwd_scale_group")
         if grid not in GRIDS or not 0 < bwd_tokens <= 1 or compress not in ("both", "fwd", "bwd"):
             raise ValueError(f"outlier: grid {grid!r}, bwd_tokens {bwd_tokens}, compress {compress!r} are not "
                              f"{GRIDS}, in (0, 1] and both/fwd/bwd")
@@ -84,7 +98,7 @@ class OutlierBoundary(QuantBoundary):
         self.scale_bytes = RMS_SCALE_BYTES if grid == "lloyd-max" else SCALE_BYTES
         self.intact_dtype = intact_dtype  # None: the wire dtype
         if not 0 <= channels < hidden_size:
-            raise ValueError(f"boundary.outlier_channels must be in [0, {hidden_size}), got {channels}")
+            raise ValueError(f"boundary.outlier.channels must be in [0, {hidden_size}), got {channels}")
         # Until the residual start calibrates them: the first C channels (a start, never a result).
         self.register_buffer("channels", torch.arange(channels, dtype=torch.int64))
 

@@ -20,7 +20,8 @@ import math
 
 import torch
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, implements
+from thinpipe.config.boundary_kinds import Quant2Kind, Quant4Kind
 
 SCALE_DTYPE = torch.bfloat16
 SCALE_BYTES = 2 * 2  # offset + step per group
@@ -110,10 +111,16 @@ def group_size(hidden_size: int, group: int) -> int:
     return g
 
 
+@implements(Quant4Kind, Quant2Kind)
 class QuantBoundary(Boundary):
     """``quant4`` / ``quant2``: uniform ``fwd_bits`` activations, ``bwd_bits`` gradients."""
 
-    kind = "quant"
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        b = cls(index, hidden_size, *cfg.bits(), cfg.quant_group, wire_dtype)
+        b.spec = cfg.spec()  # quant4 or quant2 (their default bits differ, the class does not)
+        return b
 
     def __init__(self, index: int, hidden_size: int, fwd_bits: int, bwd_bits: int, group: int,
                  wire_dtype: torch.dtype | None = None):

@@ -11,7 +11,7 @@ of every attention output projection and MLP down projection, and the trainable 
 embedding (E - T_fixed), are projected onto span(U_k). **Choice**: we confine by an exact
 projection after every optimizer step (and at the start), not by SSN's row-wise constant AdamW
 scaling; both keep the weights in the subspace, the projection does so for any inner optimizer.
-With confinement the boundary is lossless (tests/test_ssn.py). Llama models use RoPE, so there is
+With confinement the boundary is lossless (tests/unit/boundary/test_ssn.py). Llama models use RoPE, so there is
 no additive positional term to subtract.
 
 Grassmann refresh: every ``refresh_every`` steps, U_k moves along the horizontal part of dL/dU_k
@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from thinpipe.boundary.base import Boundary, Payload, StageState
+from thinpipe.boundary.base import Boundary, Payload, StageState, implements
 from thinpipe.boundary.mapl import id_dtype
+from thinpipe.config.boundary_kinds import SsnKind
 from thinpipe.optim.stiefel import grassmann_step, orthonormal
 
 CONFINED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
@@ -38,6 +39,9 @@ CONFINED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 class SubspaceBasis(nn.Module, StageState):
     """The shared U_k (a buffer: no optimizer touches it; the Grassmann refresh replaces it) and the
     weights' confinement to it, as the contract's stage state."""
+
+    U: torch.Tensor  # the buffers (registered in __init__), typed for the checker
+    token_fixed: torch.Tensor
 
     def __init__(self, hidden_size: int, rank: int, seed: int, token_fixed: torch.Tensor, refresh_every: int = 0,
                  refresh_lr: float = 0.0):
@@ -80,15 +84,26 @@ class SubspaceBasis(nn.Module, StageState):
         with torch.no_grad():
             return Payload({"U": grassmann_step(self.U.detach(), total.tensors["U"], self.refresh_lr)})
 
-    def apply(self, payload: Payload, stage) -> None:
+    # StageState's name for the refresh's last phase shadows nn.Module.apply(fn) (nothing applies a function
+    # over modules holding the basis; renaming the contract's method would change every stage state plug-in)
+    def apply(self, payload: Payload, stage) -> None:  # type: ignore[override]
         self._leaves = None
         self.U = payload.tensors["U"].clone()
         confine([stage], self.U, self.token_fixed)
 
 
+@implements(SsnKind)
 class SsnBoundary(Boundary):
-    kind = "ssn"
-    architectural = True
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        if "ssn_basis" not in shared:  # one basis for every boundary of the replica
+            own = cfg.settings()
+            token_fixed = model.get_input_embeddings().weight.detach().float().clone()
+            shared["ssn_basis"] = SubspaceBasis(hidden_size, cfg.rank, seed, token_fixed, own.refresh_every,
+                                                own.refresh_lr)
+        basis = shared["ssn_basis"]
+        return cls(index, hidden_size, basis, basis.token_fixed, wire_dtype)
 
     def __init__(self, index: int, hidden_size: int, basis: SubspaceBasis, token_fixed: torch.Tensor,
                  wire_dtype: torch.dtype | None = None):

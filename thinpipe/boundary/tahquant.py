@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import torch
 
-from thinpipe.boundary.base import Payload
+from thinpipe.boundary.base import Payload, implements
 from thinpipe.boundary.quant import (
     SCALE_BYTES,
     QuantBoundary,
@@ -36,6 +36,7 @@ from thinpipe.boundary.quant import (
     quantize,
     unpack_bits,
 )
+from thinpipe.config.boundary_kinds import TahQuantKind
 
 HIGH_BIT = 128
 
@@ -78,8 +79,13 @@ def code_entropy(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return -(p * torch.log2(p.clamp_min(1e-12))).sum(1)
 
 
+@implements(TahQuantKind)
 class TahQuantBoundary(QuantBoundary):
-    kind = "tahquant"
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        own = cfg.settings()
+        return cls(index, hidden_size, *cfg.bits(), cfg.quant_group, own.high_fraction, own.outlier_ratio, wire_dtype)
 
     def __init__(self, index: int, hidden_size: int, fwd_bits: int, bwd_bits: int, group: int,
                  high_fraction: float, outlier_ratio: float, wire_dtype: torch.dtype | None = None):

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.boundary.base import Boundary, Payload
+from thinpipe.boundary.base import Boundary, Payload, implements
 from thinpipe.boundary.mask import kept_dims
+from thinpipe.config.boundary_kinds import TopKKind
 
 
+@implements(TopKKind)
 class TopKBoundary(Boundary):
-    kind = "topk"
+
+    @classmethod
+    def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
+        return cls(index, hidden_size, cfg.p, wire_dtype)
 
     def __init__(self, index: int, hidden_size: int, p: float, wire_dtype: torch.dtype | None = None):
         super().__init__(index, hidden_size, wire_dtype)

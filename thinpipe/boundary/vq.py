@@ -15,7 +15,7 @@ codebook, of which sender and receiver each hold a copy. Per microbatch the send
 and sends that slice with the codes; the receiver writes it into its copy before decoding. Chunks
 follow a seeded permutation of the K slots, cycled, so both ends know which slots a slice fills
 without sending indices. Both shared copies are therefore identical after every sync, and the
-sender quantises with exactly the codebook the receiver decodes with (tests/test_vq.py).
+sender quantises with exactly the codebook the receiver decodes with (tests/unit/boundary/test_vq.py).
 """
 
 from __future__ import annotations
@@ -77,11 +77,21 @@ class StreamingCodebook(nn.Module):
     In a real mesh the receiver's copy lives in the other process; keeping it separate here lets
     the tests check the protocol keeps the two copies equal."""
 
+    # the buffers (registered in __init__), typed for the checker
+    live: torch.Tensor
+    sender_shared: torch.Tensor
+    receiver_shared: torch.Tensor
+    counts: torch.Tensor
+    sums: torch.Tensor
+    order: torch.Tensor
+    sent: torch.Tensor
+    received: torch.Tensor
+
     def __init__(self, rank: int, group_size: int, codes: int, rounds: int, sync_codes: int, decay: float,
                  seed: int):
         super().__init__()
         if rank % group_size:
-            raise ValueError(f"boundary.rank = {rank} must be a multiple of boundary.vq_group_size = {group_size}")
+            raise ValueError(f"boundary.rank = {rank} must be a multiple of boundary.mapl-vq.group_size = {group_size}")
         gen = torch.Generator().manual_seed(seed)
         G = rank // group_size
         # Inputs are normalised to unit RMS per token; later rounds quantise ever smaller residuals.

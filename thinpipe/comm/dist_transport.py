@@ -58,9 +58,15 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t.to(torch.uint8)
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    """``isend``'s handle: None only on a rank outside the group, which a transport's own rank never is."""
+    assert work is not None
+    return work
+
+
 class DistTransport(Transport):
     def __init__(self, layout, me: int, meter: ByteMeter,
-                 link_for: Callable[[str, int], ShapedLink | None] | None = None, group=None,
+                 link_for: Callable[[str | None, int], ShapedLink | None] | None = None, group=None,
                  background: bool = False, device: torch.device | None = None, *, key: bytes, label: str,
                  encrypt: bool = False):
         """``background``: every send goes through the sender thread, which also waits for it to
@@ -75,12 +81,12 @@ class DistTransport(Transport):
         self.group = group
         self.background, self.device = background, device
         self.header_bytes = 0
-        self._pending: list[tuple[object, torch.Tensor]] = []
+        self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # posted sends and the bytes they hold
         self._lock = threading.Lock()
-        self._sender: DueQueue | None = None
+        self._sender: DueQueue[tuple[int, int, list[torch.Tensor]]] | None = None
 
     def _post(self, peer: int, ch: int, parts: list[torch.Tensor]) -> None:
-        works = [(dist.isend(part, peer, group=self.group, tag=ch), part) for part in parts]
+        works = [(_posted(dist.isend(part, peer, group=self.group, tag=ch)), part) for part in parts]
         with self._lock:
             self._pending.extend(works)
 
@@ -170,7 +176,12 @@ def broadcast_payload(payload: Payload | None, src: int, group, device: torch.de
     receivers check the header against ``expect`` and allocate only what it describes; every member
     gets it on ``device``. A collective: not authenticated by the job key (docs/security.md)."""
     me = dist.get_rank()
-    header = encode_header(payload) if me == src else torch.empty(HEADER_SLOTS, dtype=torch.int64)
+    sent: dict[str, torch.Tensor] = {}
+    if me == src:
+        assert payload is not None, "the source of a broadcast gives its payload (only the others pass None)"
+        sent, header = payload.tensors, encode_header(payload)
+    else:
+        header = torch.empty(HEADER_SLOTS, dtype=torch.int64)
     dist.broadcast(header, src, group=group)
     spec = decode_header(header)
     if me != src and expect is not None:
@@ -178,7 +189,7 @@ def broadcast_payload(payload: Payload | None, src: int, group, device: torch.de
     tensors = {}
     for name, dtype, shape in spec:
         if me == src:
-            raw = _as_bytes(to_host(payload.tensors[name])).clone()
+            raw = _as_bytes(to_host(sent[name])).clone()
         else:
             raw = torch.empty(_numel(shape) * torch.empty(0, dtype=dtype).element_size(), dtype=torch.uint8)
         dist.broadcast(raw, src, group=group)

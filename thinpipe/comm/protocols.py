@@ -7,7 +7,7 @@ they call a ``Transport`` for point-to-point payloads, a ``Group`` for collectiv
 (``dist_transport.py: DistTransport``, ``dist_group.py: DistGroup``) and across elastic replicas
 over torchft (``managed.py: ManagedGroup``); since each engine runs the same rank code over its own
 implementation, the simulation's arithmetic and metered bytes are the real mesh's
-(docs/architecture.md). tests/test_comm_protocols.py checks every implementation against these.
+(docs/architecture.md). tests/architecture/test_comm_protocols.py checks every implementation against these.
 
 Only what the rank core calls is here. A ``DistTransport`` offers more to its engine and the anchor
 circuit (``send(..., metered=)``, ``idle()``, ``close()``, ``header_bytes``): those callers hold a

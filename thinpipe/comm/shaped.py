@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, cast
 
 from thinpipe.console import say
 
@@ -40,7 +41,10 @@ class ShapedLink:
         return done + self.latency_ms / 1e3
 
 
-class DueQueue:
+Item = TypeVar("Item")
+
+
+class DueQueue(Generic[Item]):
     """One background thread that hands each queued item to ``deliver`` at its due time (the
     ``delivery_time`` of its link, taken when the caller handed the message over), earliest first,
     ties in hand-over order.
@@ -52,10 +56,10 @@ class DueQueue:
     is fixed), so each link's messages keep their order.
     """
 
-    def __init__(self, deliver: Callable[[object], None], clock: Callable[[], float] = time.perf_counter,
+    def __init__(self, deliver: Callable[[Item], None], clock: Callable[[], float] = time.perf_counter,
                  name: str = "thinpipe-link"):
         self._deliver, self._clock = deliver, clock
-        self._heap: list[tuple[float, int, object]] = []
+        self._heap: list[tuple[float, int, Item]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
         self._unfinished = 0
@@ -64,7 +68,7 @@ class DueQueue:
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
-    def put(self, due_s: float, item: object) -> None:
+    def put(self, due_s: float, item: Item) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError("a message was handed to a closed link")
@@ -115,7 +119,7 @@ class DueQueue:
             if item is self._STOP:
                 return
             try:
-                self._deliver(item)
+                self._deliver(cast(Item, item))  # not the stop sentinel: a queued item
             except BaseException as e:  # surfaced by the owner (``DistTransport.flush``)
                 self.error = e
             finally:

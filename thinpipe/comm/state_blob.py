@@ -45,7 +45,7 @@ def _too_deep(text: bytes) -> bool:
     return False
 
 
-def decode_state(blob: bytes, step: int, source: str):
+def decode_state(blob: bytes | bytearray, step: int, source: str):
     """The state ``encode_state`` wrote for ``step``; ``CheckpointError`` naming ``source`` otherwise."""
     def bad(why: str) -> CheckpointError:
         return CheckpointError(f"the state received from {source} is not valid ({why}); the replica cannot join")

@@ -35,7 +35,8 @@ SEAL_TAG_BYTES = 16  # Poly1305
 
 
 def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy()).cast("B")
+    # numpy's stubs give ndarray the buffer protocol (__buffer__) only from Python 3.12; it has it on 3.11 too
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class LinkAuth:
@@ -52,6 +53,7 @@ class LinkAuth:
     def _sealer(self, src: int, dst: int, ch: int):
         k = (src, dst, ch)
         if k not in self._sealers:
+            assert self._seal_root is not None  # only a sealing transport (encrypt) asks for a sealer
             self._sealers[k] = ChaCha20Poly1305(derive(self._seal_root, f"{src}/{dst}/{ch}"))
         return self._sealers[k]
 

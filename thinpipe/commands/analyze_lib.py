@@ -26,8 +26,8 @@ from thinpipe.analysis.subspace import (  # noqa: E402
 )
 from thinpipe.data import batches as batch_stream  # noqa: E402
 from thinpipe.engine.run_folder import load_mesh  # noqa: E402
+from thinpipe.objective.registry import build_data  # noqa: E402
 from thinpipe.optim.stiefel import orthonormal  # noqa: E402
-from thinpipe.rank.from_config import build_data  # noqa: E402
 
 
 def adjacent_stable_ranks(stage) -> dict[str, float]:

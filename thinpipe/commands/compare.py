@@ -92,8 +92,10 @@ def load(folder: str | Path) -> dict:
                           "`thinpipe train`")
     cfg = _read(folder / "config.toml", tomllib.loads, "restore the run's config.toml")
     objective = cfg.get("train", {}).get("objective", "sft") if isinstance(cfg.get("train"), dict) else "sft"
-    accuracy = objective == "gspo"
-    measure = "val_accuracy" if accuracy else "val_loss"
+    from thinpipe.objective.registry import spec_named  # here: `thinpipe --help` imports no model library
+
+    spec = spec_named(str(objective))  # its held-out measure: a loss (lower is better) or a score
+    accuracy, measure = not spec.val_is_loss, spec.val_key
     b = cfg.get("boundary")
     kind = b.get("kind") if isinstance(b, dict) else None
     if not isinstance(kind, str):
@@ -127,10 +129,10 @@ def load(folder: str | Path) -> dict:
                           "wait for it to finish")
     by_step[0] = 0
     best = max if accuracy else min
-    return {"measure": measure, "objective": objective,
+    return {"measure": measure, "higher_is_better": accuracy, "objective": objective,
         "run": folder.name, "path": str(folder), "finished": done, "kind": kind, "wire_dtype": wire_dtype(cfg),
         "dense": kind == "identity", "steps": max(p[0] for p in points), "tokens": tokens,
-        # GSPO runs are measured by held-out accuracy (higher is better), every other objective by a held-out loss
+        # an objective's held-out measure (ObjectiveSpec.val_key): a loss, or a score such as GSPO's accuracy
         f"best_{measure}": best(p[1] for p in points), f"final_{measure}": points[-1][1],
         "bytes_per_token": {a: per_token.get(a, 0.0) for a in AXES_SHOWN},
         "pp_bytes_per_token": per_token.get("pp_fwd", 0.0) + per_token.get("pp_bwd", 0.0),
@@ -160,9 +162,10 @@ def _vs_dense(r: dict, dense: dict | None) -> float | None:
     loss is not an SFT loss)."""
     if dense is None or r["measure"] != dense["measure"] or r["objective"] != dense["objective"]:
         return None
-    if r["measure"] == "val_accuracy":
-        return r["final_val_accuracy"] - dense["final_val_accuracy"]
-    return r["final_val_loss"] / dense["final_val_loss"] - 1 if dense["final_val_loss"] else None
+    final = f"final_{r['measure']}"
+    if r["higher_is_better"]:
+        return r[final] - dense[final]
+    return r[final] / dense[final] - 1 if dense[final] else None
 
 
 def accounting(dense: dict | None, runs: list[dict]) -> list[str]:
@@ -195,7 +198,7 @@ def format_table(result: dict) -> str:
             f"{'compr.':>8}{'DP B/tok':>10}{'anchor B/tok':>13}{'tok/s':>8}")
     lines = [head, "-" * len(head)]
     for r in result["runs"]:
-        acc = r["measure"] == "val_accuracy"
+        acc = r["higher_is_better"]
         vs = ("-" if r["vs_dense_final"] is None or r["dense"] else
               f"{100 * r['vs_dense_final']:+.1f}pt" if acc else f"{r['vs_dense_final']:+.1%}")
         best_v, final_v = r[f"best_{r['measure']}"], r[f"final_{r['measure']}"]
@@ -231,7 +234,7 @@ def plot(result: dict, path: Path) -> None:
     b.set_xscale("log")
     measures = {r["measure"] for r in result["runs"]}
     for ax in (a, b):
-        ax.set_ylabel("held-out accuracy" if measures == {"val_accuracy"} else "held-out loss")
+        ax.set_ylabel(f"held-out {measures.pop()}" if len(measures) == 1 else "held-out measure")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()

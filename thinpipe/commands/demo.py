@@ -29,6 +29,7 @@ from pathlib import Path
 
 from thinpipe.commands.compare import compare, format_table, plot
 from thinpipe.config import Config, apply_overrides
+from thinpipe.provenance import code_stamp
 
 NAME = "demo"
 HELP = "the main job: SmolLM2 on math, 4 stages, dense vs M95"
@@ -82,7 +83,8 @@ def run_demo(out: str | Path, quick: bool = False) -> int:
     print(keeps_quality(results, arm_config(base, ARMS["Dense"]).train.seed))
     print("anchor B/tok = the anchor circuit's weight pull + unmasked PP pass + gradient push, off the critical path;\n"
           "tok/s is this CPU's simulation speed, not a mesh's.")
-    (out / "demo_summary.json").write_text(json.dumps({"base": base, "arms": ARMS, "results": results}, indent=2))
+    (out / "demo_summary.json").write_text(json.dumps({"base": base, "arms": ARMS, "results": results,
+                                                                **code_stamp()}, indent=2))
     (out / "compare.json").write_text(json.dumps(side_by_side, indent=2))
     plot(side_by_side, out / "demo_loss.png")
     again = " ".join(shlex.quote(str(out / name)) for name in ARMS)

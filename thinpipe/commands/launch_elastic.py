@@ -55,6 +55,7 @@ from thinpipe.engine.elastic_setup import (
 )
 from thinpipe.events import EVENTS, append_event, read_events
 from thinpipe.jsonl import read_rows
+from thinpipe.provenance import code_stamp
 from thinpipe.runlock import RunLock, check_out_path, take_run_lock
 
 USAGE_ERROR = 2  # the CLI's exit code for bad input: restarting would only repeat it
@@ -310,8 +311,9 @@ def elastic_summary(out: Path, cfg) -> dict:
     # the first replica's summary is the job's (as --engine dist reports replica 0's), so that
     # `thinpipe compare` reads an elastic job's folder as any run's; what is one replica's own goes
     job = {k: v for k, v in (first or {}).items() if k not in REPLICA_KEYS}
-    # the objective's held-out measure (final_val_loss; GSPO's final_val_accuracy), as every replica wrote it
-    final = next((k for k in (first or {}) if k.startswith("final_val_")), "final_val_loss")
+    # the objective's held-out measure (its ObjectiveSpec.val_key: val_loss, GSPO's val_accuracy), as every replica
+    # wrote it
+    final = f"final_{(first or {}).get('val_key', 'val_loss')}"
     summary = {
         **job, "engine": "elastic", "replicas": cfg.mesh.dp, "stages": cfg.mesh.pp, "steps": cfg.train.steps,
         "replicas_finished": len({s["replica"] for s in summaries.values()}),
@@ -323,6 +325,7 @@ def elastic_summary(out: Path, cfg) -> dict:
         "replica_steps_missed": missed, "rejoins": rejoins,
         "quorum_changes": [{k: q[k] for k in ("step", "members", "left", "joined")} for q in quorum],
         "replica_summaries": summaries,
+        **code_stamp(),  # the launcher's code (each replica's summary carries its own)
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     resolved = next((p / "config.toml" for p in folders if (p / "config.toml").is_file()), None)

@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from thinpipe.config import Config, ConfigError, apply_overrides
 from thinpipe.engine.sim_mesh import SimMesh
-from thinpipe.rank.from_config import build_data, load, place, residual_batches, val_batches
+from thinpipe.objective.registry import build_data
+from thinpipe.rank.from_config import load, place, residual_batches, val_batches
 
 # The outlier kind on the Lloyd-Max grid, one scale per token each way and bf16 intact channels (issue 26).
 LM = {"boundary.kind": "outlier", "boundary.outlier_grid": "lloyd-max", "boundary.outlier_scale_group": -1,

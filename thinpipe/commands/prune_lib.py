@@ -23,7 +23,7 @@ from thinpipe.engine.run_folder import load_run
 from thinpipe.engine.sim_engine import mesh_validation_loss
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.eval import evaluate_mc, logits_fn_from_model
-from thinpipe.rank.from_config import build_data
+from thinpipe.objective.registry import build_data
 
 
 def prunable(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -101,14 +101,12 @@ def _train(args, cfg) -> int:
 
 def print_summary(summary: dict, out: Path) -> None:
     rows = [("steps", summary["steps"]), ("tokens", summary["tokens"])]
-    if "final_val_accuracy" in summary:  # GSPO: greedy accuracy on held-out prompts
-        rows += [("held-out accuracy: start", f"{summary['initial_val_accuracy']:.4f}"),
-                 ("held-out accuracy: end", f"{summary['final_val_accuracy']:.4f}")]
-    else:
-        rows += [("held-out loss: start", f"{summary['initial_val_loss']:.4f}"),
-                 ("held-out loss: end", f"{summary['final_val_loss']:.4f}")]
-        if summary.get("objective", "sft") == "sft":
-            rows.append(("held-out perplexity", f"{summary['val_ppl']:.2f}"))
+    key = summary["val_key"]  # the objective's held-out measure (objective/spec.py: ObjectiveSpec.val_key)
+    name = key.removeprefix("val_").replace("_", " ")
+    rows += [(f"held-out {name}: start", f"{summary[f'initial_{key}']:.4f}"),
+             (f"held-out {name}: end", f"{summary[f'final_{key}']:.4f}")]
+    if "val_ppl" in summary:
+        rows.append(("held-out perplexity", f"{summary['val_ppl']:.2f}"))
     rows += [("wall", f"{summary['wall_s']:.1f} s ({summary['tokens_per_s']:.0f} tok/s)")]
     rows += [(f"bytes/token {axis}", f"{v:.1f}") for axis, v in summary["bytes_per_token"].items() if v]
     width = max(len(k) for k, _ in rows)

@@ -6,14 +6,15 @@ validated so that a bad input fails with one clear ``ConfigError`` before any he
 
 One file per idea: ``errors`` (ConfigError, and a job's ranks reporting one line), ``env`` (environment
 variables read as checked values: ``thinpipe.config.env``), ``model_data`` ([model], [data]), ``mesh`` ([mesh],
-[link]), ``boundary`` ([boundary]), ``train`` ([train], [train.lora], [eval], [diag]), ``dp``
-([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic`` ([elastic]), ``aliases`` (deprecated
-keys) and ``root`` (Config, TOML, overrides). Import from ``thinpipe.config``: every name is re-exported here.
+[link]), ``boundary`` ([boundary]), ``boundary_kinds`` (the built-in kinds' tables, [boundary.<kind>]), ``train``
+([train], [train.lora], [eval], [diag]), ``dp`` ([dp]), ``anchor`` ([anchor], [optim]), ``log`` ([log]), ``elastic``
+([elastic]), ``aliases`` (deprecated keys, the kinds' flat keys) and ``root`` (Config, TOML, overrides). Import
+from ``thinpipe.config``: every name is re-exported here.
 """
 
 from thinpipe.config.aliases import DEPRECATED_KEYS
 from thinpipe.config.anchor import AnchorConfig, MuonConfig, OptimConfig, SpectralConfig
-from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BOUNDARY_KINDS, QUANT_BITS, BoundaryConfig
+from thinpipe.config.boundary import BOUNDARY_KINDS, BoundaryConfig, BoundaryKind
 from thinpipe.config.dp import DP_KINDS, DPConfig
 from thinpipe.config.elastic import ElasticConfig
 from thinpipe.config.errors import ConfigError, Diverged
@@ -24,8 +25,8 @@ from thinpipe.config.root import Config, apply_overrides, load_config
 from thinpipe.config.train import LORA_TARGETS, DiagConfig, EvalConfig, LoraConfig, TrainConfig
 
 __all__ = [
-    "ARCHITECTURAL_KINDS", "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "QUANT_BITS",
-    "AnchorConfig", "BoundaryConfig", "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig", "Diverged",
+    "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "AnchorConfig", "BoundaryConfig", "BoundaryKind",
+    "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig", "Diverged",
     "ElasticConfig", "EvalConfig", "LinkConfig", "LogConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig",
     "OptimConfig", "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
 ]

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from thinpipe.config.errors import ConfigError
+from thinpipe.plugins import PLUGIN_DP_SCHEMES
 
-DP_KINDS = ("allreduce", "powersgd", "diloco", "streaming-diloco")
+DP_KINDS = ("allreduce", "powersgd", "diloco", "streaming-diloco")  # the built-in schemes (dp/registry.py: BUILTIN)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -14,8 +15,10 @@ class DPConfig:
     kind: str = "allreduce"
     """DP synchronisation of the fast replicas (each stage's replicas form one DP group):
     ``allreduce`` (exact gradient average every step), ``powersgd`` (low-rank gradient average
-    every step) or ``diloco`` (H inner steps, then an outer Nesterov step on the averaged
-    pseudo-gradient, PowerSGD-compressed when ``dp.rank`` > 0)."""
+    every step), ``diloco`` (H inner steps, then an outer Nesterov step on the averaged
+    pseudo-gradient, PowerSGD-compressed when ``dp.rank`` > 0), ``streaming-diloco`` (DiLoCo in
+    fragments, staggered and overlapped), or a kind a plugin registered (``plugins.py:
+    register_dp_scheme``)."""
     rank: int = 0
     """PowerSGD rank: for ``powersgd`` the gradient's (0 means 4); for ``diloco`` and
     ``streaming-diloco`` the outer pseudo-gradient's (0 = uncompressed outer average)."""
@@ -37,8 +40,9 @@ class DPConfig:
     """Streaming DiLoCo: exchange outer gradients as int8 with per-row scales (all-gather)."""
 
     def validate(self) -> None:
-        if self.kind not in DP_KINDS:
-            raise ConfigError(f"dp.kind = {self.kind!r} is unknown: choose one of {', '.join(DP_KINDS)}")
+        if self.kind not in DP_KINDS and self.kind not in PLUGIN_DP_SCHEMES:
+            raise ConfigError(f"dp.kind = {self.kind!r} is unknown: choose one of "
+                              f"{', '.join(DP_KINDS + tuple(PLUGIN_DP_SCHEMES))}")
         if self.rank < 0:
             raise ConfigError(f"dp.rank must be >= 0, got {self.rank}")
         if self.quantize and self.rank:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from thinpipe.config.boundary import ARCHITECTURAL_KINDS
 from thinpipe.config.errors import ConfigError
 
 OBJECTIVES = ("sft", "dpo", "gspo")
@@ -13,7 +12,7 @@ OBJECTIVES = ("sft", "dpo", "gspo")
 # SFT's are the [train] defaults (anchor-priors App. I.3). GSPO: anchor-priors App. D.5 (AdamW 1e-6, weight
 # decay 0.1, clip 1.0, warm-up 5%). DPO: the paper gives none; TRL's DPOConfig (learning_rate 1e-6 over
 # transformers' TrainingArguments: weight_decay 0, max_grad_norm 1.0, no warm-up), the trainer the peer tests
-# check thinpipe's DPO loss against (tests/test_trl_peer.py).
+# check thinpipe's DPO loss against (tests/integration/test_trl_peer.py).
 OBJECTIVE_DEFAULTS: dict[str, dict[str, float]] = {
     "gspo": {"train.lr": 1e-6, "train.weight_decay": 0.1, "train.grad_clip": 1.0, "train.warmup_ratio": 0.05},
     "dpo": {"train.lr": 1e-6, "train.weight_decay": 0.0, "train.grad_clip": 1.0, "train.warmup_ratio": 0.0},
@@ -120,7 +119,7 @@ def check_objective(cfg) -> None:
             raise ConfigError(f"train.batch_size = {t.batch_size} (sequences per forward) does not divide the "
                               f"{per_update} sequences of an update (rl.prompts_per_step x rl.group_size / "
                               "rl.minibatches)")
-        if rl.kl_beta > 0 and cfg.boundary.kind in ARCHITECTURAL_KINDS:
+        if rl.kl_beta > 0 and cfg.boundary.spec().architectural:
             raise ConfigError(f"rl.kl_beta > 0 keeps a dense copy of the starting weights, but boundary.kind = "
                               f"{cfg.boundary.kind} is part of the model: set rl.kl_beta = 0 (GSPO's recipe has no KL)")
         if rl.max_response_tokens >= t.seq_len:

@@ -19,7 +19,7 @@ import tomli_w
 
 from thinpipe.config.aliases import rename_deprecated
 from thinpipe.config.anchor import AnchorConfig, OptimConfig
-from thinpipe.config.boundary import ARCHITECTURAL_KINDS, BoundaryConfig
+from thinpipe.config.boundary import BoundaryConfig, BoundaryKind
 from thinpipe.config.dp import DPConfig
 from thinpipe.config.elastic import ElasticConfig
 from thinpipe.config.errors import ConfigError
@@ -75,11 +75,11 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
 
     def validate(self) -> "Config":
-        _finite_numbers(self.to_dict())
+        _finite_numbers(self._every_key())
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
-        _int64(self.to_dict())
-        if self.boundary.kind in ARCHITECTURAL_KINDS:
+        _int64(self._every_key())
+        if self.boundary.spec().architectural:
             if self.boundary.masked:
                 raise ConfigError(f"boundary.kind = {self.boundary.kind} applies to every boundary (its stage "
                                   "offsets chain through them): leave boundary.masked empty")
@@ -93,10 +93,7 @@ class Config:
             raise ConfigError(
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
                 f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
-        if self.boundary.outlier_fwd_bits and len(self.boundary.outlier_fwd_bits) != self.mesh.pp - 1:
-            raise ConfigError(f"boundary.outlier_fwd_bits = {self.boundary.outlier_fwd_bits} "
-                              "needs one entry per boundary: "
-                              f"{self.mesh.pp - 1} with mesh.pp = {self.mesh.pp}")
+        self.boundary.check_stages(self.mesh.pp)
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
                               "(the job's replicas): lower it or raise mesh.dp")
@@ -104,15 +101,34 @@ class Config:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """Every section's keys, as ``config.toml`` records them (a section with its own ``to_dict``, such as
+        ``[boundary]`` and its configured kind's table, says which)."""
+        return {f.name: _section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def _every_key(self) -> dict[str, Any]:
+        """``to_dict`` with every boundary kind's table given, for the checks that look at every value."""
+        out = self.to_dict()
+        out["boundary"] = {**out["boundary"], **{k: dataclasses.asdict(t) for k, t in self.boundary.tables.items()}}
+        return out
 
     def to_toml(self) -> str:
         return tomli_w.dumps(self.to_dict())
 
 
+def _section_dict(section: Any) -> dict[str, Any]:
+    own = getattr(section, "to_dict", None)
+    return own() if own is not None else dataclasses.asdict(section)
+
+
+def _keys(obj: Any) -> dict[str, dataclasses.Field]:
+    """A section's keys (its fields, less those that hold sub-tables of their own: ``BoundaryConfig.tables``)."""
+    return {f.name: f for f in dataclasses.fields(obj) if not f.metadata.get("tables")}
+
+
 def _coerce(value: Any, typ: Any, key: str) -> Any:
-    """Convert a TOML value or a ``--set`` string to the field's declared type."""
-    typ = str(typ)
+    """Convert a TOML value or a ``--set`` string to the field's declared type (a string annotation, or the type
+    itself where a plug-in's module does not postpone annotations)."""
+    typ = typ.__name__ if isinstance(typ, type) else str(typ)
     if isinstance(value, str) and typ != "str":
         text = value.strip()
         if typ == "bool":
@@ -171,9 +187,19 @@ def apply_overrides(cfg: Config, values: dict[str, Any], source: str = "--set",
             raise ConfigError(f"{source}: key {dotted!r} must be dotted as section.key, e.g. train.steps")
         obj, parts = cfg, dotted.split(".")
         for i, part in enumerate(parts):
-            fields = {f.name: f for f in dataclasses.fields(obj)}
+            fields = _keys(obj)
+            table = getattr(obj, "table", None)  # a section of named tables: [boundary.<kind>]
+            sub = table(part) if table is not None and part not in fields else None
+            if sub is not None:
+                if i == len(parts) - 1:
+                    raise ConfigError(f"{source}: {dotted!r} is a table; set one of its keys: "
+                                      f"{', '.join(_keys(sub))}")
+                obj = sub
+                continue
             if part not in fields:
                 where = ".".join(parts[:i])
+                if isinstance(obj, BoundaryKind):
+                    raise ConfigError(f"{source}: unknown key {dotted!r}: [{where}] has {', '.join(fields)}")
                 what = f"key {dotted!r}" if where else f"section {part!r}"
                 raise ConfigError(f"{source}: unknown {what}{_suggest(part, list(fields))}")
             if i == len(parts) - 1:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from thinpipe.config.errors import ConfigError
 from thinpipe.config.post import OBJECTIVES
+from thinpipe.plugins import PLUGIN_OBJECTIVES
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 MAX_STEPS = 10**7       # more is a typo (10**30 steps trained at lr ~1e-33 for ever: the warm-up alone is 3e28 steps)
@@ -132,8 +133,9 @@ class TrainConfig:
         if not 0 < self.rollback_lr_factor < 1 or self.max_rollbacks < 0:
             raise ConfigError(f"train.rollback_lr_factor must be in (0, 1) and train.max_rollbacks >= 0, got "
                               f"{self.rollback_lr_factor} and {self.max_rollbacks}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.objective not in OBJECTIVES and self.objective not in PLUGIN_OBJECTIVES:  # a plugin's: plugins.py
+            raise ConfigError(f"train.objective must be one of {', '.join([*OBJECTIVES, *PLUGIN_OBJECTIVES])}, got "
+                              f"{self.objective!r}")
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"train.optimizer must be adamw or muon, got {self.optimizer!r}")
 

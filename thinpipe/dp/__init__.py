@@ -1,10 +1,7 @@
-"""Data-parallel synchronisation algorithms (math + explicit state; talk to a group only).
+"""Data-parallel synchronisation of a stage's replicas (docs/dp.md): one ``DPScheme`` class per ``dp.kind``
+(``scheme.py``; built by ``registry.py``; described without torch in ``kinds.py``) over plain algorithms with
+explicit state that talk to a group only (``allreduce.py``, ``powersgd.py``, ``diloco.py``, ``streaming.py``:
+generators over one rank's tensors that yield the ``Work`` of every collective they post).
 
-Each is a generator over one rank's tensors that yields the ``Work`` of every collective it posts.
+This package's own module imports nothing heavy: the planner reads ``kinds.py`` without loading torch.
 """
-
-from thinpipe.dp.allreduce import allreduce_average
-from thinpipe.dp.diloco import DiLoCoState, outer_step
-from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
-
-__all__ = ["DiLoCoState", "PowerSGDState", "allreduce_average", "outer_step", "powersgd_average"]

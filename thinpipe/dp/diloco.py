@@ -10,7 +10,8 @@ weights theta. Then, per replica (all hold identical global copies and outer-opt
 
 The global copy lives on the CPU by default (it is touched once per H steps). ``outer_step`` is a
 generator yielding the Works of its collectives (see ``powersgd_average``), so the simulation can
-drive several replicas in lockstep and a real rank can overlap the wait with compute.
+drive several replicas in lockstep and a real rank can overlap the wait with compute. ``DiLoCo`` is
+the scheme (``dp.kind = diloco``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import torch
 
 from thinpipe.comm.protocols import Group
 from thinpipe.dp.allreduce import allreduce_average
+from thinpipe.dp.kinds import DiLoCoKind
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
+from thinpipe.dp.scheme import DPScheme
 
 
 class DiLoCoState:
@@ -63,3 +66,31 @@ def outer_step(state: DiLoCoState, named_local, group: Group, rank: int, world: 
     with torch.no_grad():
         for n, g in state.global_params.items():
             local[n].copy_(g)
+
+
+class DiLoCo(DiLoCoKind, DPScheme):
+    """``dp.kind = diloco``: ``dp.inner_steps`` local steps, then ``outer_step`` (its average PowerSGD-compressed
+    at ``dp.rank`` > 0); the replicas agree only after an outer step."""
+
+    def __init__(self, cfg, trained, group, member, seed):
+        super().__init__(cfg, trained, group, member, seed)
+        self.state = DiLoCoState(trained(), cfg.outer_lr, cfg.outer_momentum)
+        self.compressor = PowerSGDState(rank=cfg.rank, start_step=0, seed=seed) if cfg.rank > 0 else None
+
+    def after_step(self, step: int) -> Generator:
+        if (step + 1) % self.cfg.inner_steps == 0:
+            yield from outer_step(self.state, self.trained(), self.group, self.member, self.group.size,
+                                  self.compressor)
+
+    def agree_after(self, step: int) -> bool:
+        return (step + 1) % self.cfg.inner_steps == 0
+
+    def state_dict(self) -> dict:
+        return {"psgd": self.compressor.state_dict() if self.compressor else None, "diloco": self.state.state_dict()}
+
+    def load_state_dict(self, state: dict) -> Generator:
+        if self.compressor is not None and state.get("psgd") is not None:
+            self.compressor.load_state_dict(state["psgd"])
+        if state.get("diloco") is not None:
+            self.state.load_state_dict(state["diloco"])
+        yield from ()

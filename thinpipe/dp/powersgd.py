@@ -15,6 +15,7 @@ uncompressed; a matrix is compressed only if it saves at least ``min_compression
 PyTorch's hook does). ``powersgd_average`` is a generator: it yields each collective's ``Work``
 so that one process can drive several simulated ranks in lockstep, or a real rank can overlap the
 waits; the group is a ``comm/protocols.py: Group`` (``all_reduce(rank, tensor) -> Work``: sum, in place).
+``PowerSGD`` is the scheme that averages the gradients so every step (``dp.kind = powersgd``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import torch
 
 from thinpipe.comm.protocols import Group
 from thinpipe.dp.allreduce import allreduce_average
+from thinpipe.dp.kinds import PowerSGDKind
+from thinpipe.dp.scheme import DPScheme
 
 
 def orthonormalize(P: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -144,3 +147,24 @@ def powersgd_average(state: PowerSGDState, tensors: dict[str, torch.Tensor], gro
             state.error[name] = local[name] - M
             state.q[name] = Q.clone()
     state.step += 1
+
+
+class PowerSGD(PowerSGDKind, DPScheme):
+    """``dp.kind = powersgd``: the gradients' low-rank average, every step (rank ``dp.rank``, 4 when 0;
+    uncompressed for the first ``dp.start_step`` averages)."""
+
+    def __init__(self, cfg, trained, group, member, seed):
+        super().__init__(cfg, trained, group, member, seed)
+        self.state = PowerSGDState(rank=cfg.rank or 4, start_step=cfg.start_step, seed=seed)
+
+    def sync_grads(self, step: int, grads: dict[str, torch.Tensor]) -> Generator:
+        if self.group.size > 1:
+            yield from powersgd_average(self.state, grads, self.group, self.member, self.group.size)
+
+    def state_dict(self) -> dict:
+        return {"psgd": self.state.state_dict()}
+
+    def load_state_dict(self, state: dict) -> Generator:
+        if state.get("psgd") is not None:
+            self.state.load_state_dict(state["psgd"])
+        yield from ()

@@ -11,7 +11,9 @@
   all-gather (a sum cannot be taken in int8) and averaged after dequantisation.
 
 The outer step itself is ``diloco``'s: Nesterov SGD on the averaged pseudo-gradient, global copy
-kept per replica (identical across replicas).
+kept per replica (identical across replicas). ``StreamingDiLoCo`` is the scheme (``dp.kind =
+streaming-diloco``): it keeps the posted fragment syncs, saves them as their inputs and posts them again
+on load or when an elastic DP group is rebuilt.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from thinpipe.comm.protocols import Group
 from thinpipe.comm.work import DONE
 from thinpipe.dp.allreduce import allreduce_average
 from thinpipe.dp.diloco import DiLoCoState, pseudo_gradient
+from thinpipe.dp.kinds import StreamingDiLoCoKind
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average
+from thinpipe.dp.scheme import DPScheme
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -118,3 +122,63 @@ def fragment_sync(state: StreamingState, fragment: int, deltas: dict[str, torch.
     with torch.no_grad():
         for n in names:
             local[n].mul_(alpha).add_(state.global_params[n].to(local[n].device), alpha=1.0 - alpha)
+
+
+class StreamingDiLoCo(StreamingDiLoCoKind, DPScheme):
+    """``dp.kind = streaming-diloco``: each fragment's outer step every ``dp.inner_steps`` steps, staggered,
+    applied ``dp.overlap`` steps after it is posted; local weights mixed with ``dp.alpha``."""
+
+    def __init__(self, cfg, trained, group, member, seed):
+        super().__init__(cfg, trained, group, member, seed)
+        self.state = StreamingState(trained(), cfg.fragments, cfg.outer_lr, cfg.outer_momentum)
+        self.compressor = (PowerSGDState(rank=cfg.rank, start_step=0, seed=seed)
+                           if cfg.rank > 0 and not cfg.quantize else None)
+        # posted fragment syncs: (apply step, fragment, deltas, generator, its posted Work)
+        self.in_flight: list[tuple[int, int, dict, Generator, object]] = []
+
+    def after_step(self, step: int) -> Generator:
+        d = self.cfg
+        for f in sync_start_steps(step, d.inner_steps, d.fragments):
+            deltas = fragment_deltas(self.state, f, self.trained())
+            yield from self._post(step + d.overlap, f, deltas)
+        due = [x for x in self.in_flight if x[0] <= step]
+        self.in_flight = [x for x in self.in_flight if x[0] > step]
+        for _, _, _, gen, work in due:
+            yield work
+            yield from gen
+
+    def _post(self, due: int, f: int, deltas: dict) -> Generator:
+        """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
+        d = self.cfg
+        gen = fragment_sync(self.state, f, deltas, self.trained(), self.group, self.member, self.group.size,
+                            d.alpha, d.quantize, self.compressor)
+        try:
+            work = next(gen)
+        except StopIteration:
+            return
+        self.in_flight.append((due, f, deltas, gen, work))
+        yield DONE  # let the other members post the same collective before anyone posts the next
+
+    def agree_after(self, step: int) -> bool:
+        return False  # mixing keeps each replica's local weights its own (only the global copies agree)
+
+    def state_dict(self) -> dict:
+        return {"psgd": self.compressor.state_dict() if self.compressor else None,
+                "streaming": self.state.state_dict(),
+                # a posted sync is saved as its inputs (the collective is re-posted on load)
+                "in_flight": [(due, f, deltas) for due, f, deltas, _, _ in self.in_flight]}
+
+    def load_state_dict(self, state: dict) -> Generator:
+        if self.compressor is not None and state.get("psgd") is not None:
+            self.compressor.load_state_dict(state["psgd"])
+        if state.get("streaming") is not None:
+            self.state.load_state_dict(state["streaming"])
+        self.in_flight = []
+        for due, f, deltas in state.get("in_flight", []):
+            yield from self._post(due, f, deltas)
+
+    def repost(self) -> Generator:
+        pending = [(due, f, deltas) for due, f, deltas, _, _ in self.in_flight]
+        self.in_flight = []
+        for due, f, deltas in pending:
+            yield from self._post(due, f, deltas)

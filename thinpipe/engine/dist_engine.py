@@ -91,7 +91,6 @@ class DistEngine:
         # train.objective's step over this rank (objective/registry.py)
         self.pipe = DistPipe(self, r.tokenizer)
         self.objective = make_objective(cfg, self.pipe, r.train_ds, r.val_ds, r.tokenizer, [r.bounds])
-        self.val_key = self.objective.val_key
 
     # --------------------------------------------------------------------------------------------
     def gather(self, values: list[float]) -> list[torch.Tensor]:
@@ -123,22 +122,21 @@ class DistEngine:
                     b.load_init(payload)
         self.objective.start()
 
-    def at_step(self, step: int) -> int:
-        return step
-
-    def tokens_seen(self, step: int) -> int:
-        return self.objective.tokens
-
-    def train_step(self, step: int) -> float:
-        """This rank's share of one step (``objective/``'s step over ``DistPipe``); returns the step's training
-        loss (the mean over replicas, on every rank)."""
+    def before_step(self, step: int) -> int:
         if step == self._fault_at:
             raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
-        loss = self.objective.step(step)
+        return step
+
+    def commit_step(self, step: int, loss: float) -> float:
+        """After this rank's share of the step (``objective/``'s step over ``DistPipe``; ``loss``: the mean over
+        replicas, the same on every rank): the mesh's bytes and gradient norm."""
         self._trained = True
         self.record_step()
         self.step_index = step + 1
         return loss
+
+    def tokens_seen(self) -> int:
+        return self.objective.tokens
 
     def record_step(self) -> None:
         """After a step: the whole mesh's bytes and replica 0's gradient norm (every rank decides alike on it), in
@@ -158,15 +156,6 @@ class DistEngine:
         """Every fast rank's metered bytes as of the last step (at the end, the anchor ranks' too:
         each reported them to its stage's fast ranks in its end message; replica 0 counts them once)."""
         return dict(self._bytes)
-
-    def step_metrics(self) -> dict:
-        return self.objective.metrics()
-
-    def validation_loss(self) -> float:
-        return self.objective.validation()
-
-    def validation_metrics(self) -> dict:
-        return self.objective.validation_metrics()
 
     def captured_energy(self) -> dict | None:
         """As the simulation's: each sender of replica 0 measures its own boundary."""

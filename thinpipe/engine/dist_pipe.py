@@ -19,8 +19,8 @@ from thinpipe.objective.pipe import (
     forward_only,
     forward_order,
     reference_worker,
-    wants_reference,
 )
+from thinpipe.objective.registry import wants_reference
 from thinpipe.rank.passes import heldout_pass
 from thinpipe.rank.schedule import SCHEDULES, execute
 
@@ -37,7 +37,8 @@ class DistPipe:
         self.eval_worker = eval_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
                                        engine.eval_transport, engine.rk.worker.compute_dtype)
 
-        # GSPO's KL: a frozen copy of this rank's starting stage on dense boundaries
+        # an objective that needs a reference (ObjectiveSpec.needs_reference): a frozen copy of this rank's
+        # starting stage on dense boundaries
         self.ref_worker = (reference_worker(engine.stage, engine.role.replica, engine.in_b, engine.out_b,
                                             engine.eval_transport, engine.rk.worker.compute_dtype)
                            if wants_reference(engine.cfg) else None)
@@ -61,7 +62,7 @@ class DistPipe:
         rows = ctxs[self.replicas[0]]
         s = e.stage.index
         rk.begin_step(index)
-        if e.feed is not None:  # w_t: the weights this update's forward uses (with the rows of DPO's, GSPO's pass)
+        if e.feed is not None:  # w_t: the weights this update's forward uses (with the rows of the objective's pass)
             e.feed.maybe_pull(index, None if source.anchor_local else lambda: source.anchor_rows(index, ctxs))
         with torch.enable_grad():
             execute([(s, a) for a in SCHEDULES[cfg.train.schedule](cfg.mesh.pp, len(rows))[s]], {s: rk.worker}, rows)

@@ -30,8 +30,9 @@ from thinpipe.data import PackedDataset
 from thinpipe.faults import bench_whole_model
 from thinpipe.layout import MeshLayout, Role
 from thinpipe.models import Stage
+from thinpipe.objective.registry import build_data
 from thinpipe.placement import local_rank, move
-from thinpipe.rank.from_config import DTYPES, build_data, load_stage, place, wire_dtype
+from thinpipe.rank.from_config import DTYPES, load_stage, place, wire_dtype
 from thinpipe.rank.schedule import SCHEDULES
 
 KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
@@ -58,7 +59,7 @@ class RankSetup:
     hidden_size: int
     actions: list           # this stage's row of the pipeline schedule
     device: torch.device    # where this rank computes
-    tokenizer: object = None  # the model's (an objective after SFT decodes rollouts with it)
+    tokenizer: object = None  # the model's (an objective may decode what it samples with it)
     vocab_size: int = 0       # the model's vocabulary (what token ids a peer sends may index)
 
     @staticmethod

@@ -8,13 +8,15 @@ the managers agree on a *quorum* (the replicas present) through torchft's lighth
 step, and a step counts only if every rank of the replica ``should_commit``.
 
 Per step (``ElasticEngine``):
-  ``at_step``     the quorum (the first one of a new job waits for all ``mesh.dp`` replicas, up to
+  ``before_step`` the quorum (the first one of a new job waits for all ``mesh.dp`` replicas, up to
                   ``elastic.start_timeout_s``); a replica behind the job's step *heals*: a live peer's
                   stage sends its whole state (weights, optimizer, DP state, the job's counters) over
-                  ``comm/recovery.py`` and the run loop goes on at the job's step.
-  ``train_step``  a snapshot of this rank's training state, the step as ``--engine dist`` runs it with
-                  the quorum as the DP group (averages over the replicas present), one collective that
-                  tells every replica who took part and their losses and bytes, then ``should_commit``.
+                  ``comm/recovery.py`` and the run loop goes on at the job's step; then a snapshot of
+                  this rank's training state.
+  the objective's step, as ``--engine dist`` runs it with the quorum as the DP group (averages over
+                  the replicas present);
+  ``commit_step`` one collective that tells every replica who took part and their losses and bytes,
+                  then ``should_commit``.
                   Not committed (a replica died mid-step, a collective timed out): the snapshot comes
                   back, the run loop redoes the step with the next quorum.
 
@@ -138,6 +140,7 @@ class ElasticEngine(DistEngine):
         self._restore: dict | None = None       # a rolled-back step's snapshot, applied after the next quorum
         self._peer: dict | None = None          # a live peer's state, received while healing
         self._quorum_id = None
+        self._snapshot: dict | None = None      # the state the step in progress started from (before_step)
         # a restarted replica first needs a live peer (_wait_for_peer); one resuming from its checkpoint does not
         self._joined = restart == 0 or resuming
         self._resuming = resuming
@@ -145,7 +148,17 @@ class ElasticEngine(DistEngine):
         self._kill_at = elastic_kill_step(replica, self.role.stage) if restart == 0 else -1
 
     # the quorum ---------------------------------------------------------------------------------
-    def at_step(self, step: int) -> int:
+    def before_step(self, step: int) -> int:
+        """The quorum of the step (healing from a peer, or a rolled-back step's snapshot applied), then a snapshot
+        of the state the step starts from, to go back to if it does not commit."""
+        at = self._quorum(step)
+        # in host memory (a GPU rank keeps no second copy on its device); restored as a resume is
+        self._snapshot = _to_host(self._state())
+        if at == self._fault_at:
+            raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {at}")
+        return at
+
+    def _quorum(self, step: int) -> int:
         t0 = time.perf_counter()
         self.manager.start_quorum()
         if self._quorum_id is None and self._joined and (self._resuming or self.manager.current_step() == 0):
@@ -171,8 +184,8 @@ class ElasticEngine(DistEngine):
         elif self._restore is not None:
             self._apply(self._restore)  # the rolled-back step's snapshot (its data stream restarts at the step too)
             self._restore = None
-        elif changed and self.rk.in_flight:
-            self._repost()  # the process group was rebuilt: posted fragment syncs start again on it
+        elif changed:
+            self._repost()  # the process group was rebuilt: what the DP scheme has in flight starts again on it
         return self.manager.current_step()
 
     def _wait_for_peer(self) -> None:
@@ -196,12 +209,11 @@ class ElasticEngine(DistEngine):
         if step == self._kill_at:  # the measured failure: a real SIGKILL, mid-step (nothing of ours runs after it)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def train_step(self, step: int) -> float | None:
-        # in host memory (a GPU rank keeps no second copy on its device); restored as a resume is
-        snapshot = _to_host(self._state())
-        if step == self._fault_at:
-            raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
-        loss = self.objective.step(step)  # this replica's (its Pipe sums over its own stages: its world)
+    def commit_step(self, step: int, loss: float) -> float | None:
+        """After this replica's step (``loss``: its own; its Pipe sums over its own stages, its world): the job's
+        loss, bytes and tokens over the replicas that committed it, or None when the step does not commit (torchft:
+        a replica was lost), with the step's snapshot to apply at the next quorum."""
+        snapshot, self._snapshot = self._snapshot, None
         mine = self.meter.snapshot()
         rows = self.gather([self.rk.last_grad_norm, *(mine[a] for a in AXES)])  # this replica's stages
         sent = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
@@ -234,7 +246,7 @@ class ElasticEngine(DistEngine):
         losses = [float(table[r, 1]) for r in members]
         return sum(losses) / len(losses)
 
-    def tokens_seen(self, step: int) -> int:
+    def tokens_seen(self) -> int:
         return self._job_tokens
 
     # state: a snapshot to roll back to, and what a joining peer receives ---------------------------
@@ -245,13 +257,13 @@ class ElasticEngine(DistEngine):
     def _peer_state(self) -> dict:
         """What this rank sends a replica that joins (torchft calls it while the quorum forms): its committed
         state. After a step that did not commit, that is the snapshot taken before it, which this rank applies
-        only once the quorum has formed (``at_step``): its live weights hold the uncommitted update."""
+        only once the quorum has formed (``before_step``): its live weights hold the uncommitted update."""
         committed = self._restore if self._restore is not None else self._state()
         return {**committed, "members": list(self._members), "job_bytes": dict(self._job_bytes),
                 "job_tokens": self._job_tokens}
 
     def _stash_peer_state(self, state: dict) -> None:
-        self._peer = state  # applied in at_step, after the quorum (re-posting syncs talks to the group)
+        self._peer = state  # applied in before_step, after the quorum (re-posting syncs talks to the group)
 
     def _apply(self, state: dict) -> None:
         """Load a snapshot or a peer's state; syncs in flight in it are posted again (on this quorum's group)."""
@@ -269,11 +281,8 @@ class ElasticEngine(DistEngine):
             self._job_tokens = int(state["job_tokens"])
 
     def _repost(self) -> None:
-        pending = [(due, f, deltas) for due, f, deltas, _, _ in self.rk.in_flight]
-        self.rk.in_flight = []
-        for due, f, deltas in pending:
-            for work in self.rk.post(due, f, deltas):
-                work.wait()
+        for work in self.rk.dp_scheme.repost():  # dp/scheme.py: DPScheme.repost (a no-op with nothing in flight)
+            work.wait()
 
     # checkpoints: this replica's own, in its folder; torchft's step goes with them -----------------
     def save(self, folder: Path, extra: dict) -> None:
@@ -296,7 +305,7 @@ class ElasticEngine(DistEngine):
 
     def load_rank(self, state: dict) -> None:
         # applied after the first quorum: re-posting syncs in flight needs the DP group, and a peer's
-        # newer state may replace it (at_step)
+        # newer state may replace it (before_step)
         self._restore = {"rank": state["rank"], "boundaries": state["boundaries"],
                          "objective": self.objective.state_dict()}
 

@@ -32,33 +32,39 @@ from thinpipe.console import say
 from thinpipe.dashboards import Dashboards
 from thinpipe.faults import nan_at_step
 from thinpipe.jsonl import read_rows
+from thinpipe.objective.base import Objective
+from thinpipe.objective.registry import spec_of
+from thinpipe.objective.spec import ObjectiveSpec
+from thinpipe.provenance import code_stamp
 from thinpipe.rank.from_config import lr_at
 
 
 class Engine(Protocol):
-    lead: bool          # this process writes the run folder
-    world_size: int     # the mesh's processes (simulated or real)
+    """What the loop asks of a transport (the simulation, a rank of the real mesh, a rank of an elastic replica).
+    The loop drives the objective itself (``objective``: its step, held-out measure and metrics); an engine only
+    brackets each step (``before_step`` / ``commit_step``) and owns what its transport decides: bytes, gradient
+    norm, checkpoints, the summary's extras."""
+
+    lead: bool             # this process writes the run folder
+    world_size: int        # the mesh's processes (simulated or real)
+    objective: Objective   # train.objective's step over this engine's Pipe (objective/registry.py: make_objective)
 
     def residual_start(self) -> None: ...
-    def at_step(self, step: int) -> int: ...                   # next step to train (an elastic replica may join later)
-    def train_step(self, step: int) -> float | None: ...       # the step's mean training loss over replicas; None:
-    #                                                            not committed (elastic: a replica was lost), redo it
-    def tokens_seen(self, step: int) -> int: ...               # training tokens of the whole mesh up to this step
+    def before_step(self, step: int) -> int: ...                 # the step to train next (an elastic replica may join
+    #                                                              the job later, at its step)
+    def commit_step(self, step: int, loss: float) -> float | None: ...  # after the objective's step: the step's mean
+    #                                                              training loss over the mesh's replicas; None: not
+    #                                                              committed (elastic: a replica was lost), redo it
+    def tokens_seen(self) -> int: ...                            # training tokens of the whole mesh so far
     def grad_norm(self) -> float: ...
-    def bytes_total(self) -> dict[str, int]: ...               # cumulative, whole mesh, per axis
-    def validation_loss(self) -> float: ...
-    def validation_metrics(self) -> dict: ...                  # the objective's further numbers of that measure
+    def bytes_total(self) -> dict[str, int]: ...                 # cumulative, whole mesh, per axis
     def captured_energy(self) -> dict | None: ...
     def diagnostics(self) -> dict | None: ...
-    def weights_finite(self) -> bool: ...                      # every rank's parameters (the same answer on all)
+    def weights_finite(self) -> bool: ...                        # every rank's parameters (the same answer on all)
     def save(self, folder: Path, extra: dict) -> None: ...
-    def load(self, folder: Path) -> tuple[int, dict]: ...      # (step, extra)
+    def load(self, folder: Path) -> tuple[int, dict]: ...        # (step, extra)
     def finish(self) -> None: ...
     def summary_extras(self) -> dict: ...
-    # train.objective's held-out measure's row key (``val_loss``, GSPO's ``val_accuracy``) and its own metrics of
-    # the last step (objective/: DPO's margin and accuracy, GSPO's rewards; SFT's: none)
-    val_key: str
-    def step_metrics(self) -> dict: ...
 
 
 def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
@@ -77,7 +83,7 @@ def resolve_resume(cfg: Config, out: Path, resume: bool) -> Config:
     return saved
 
 
-def plot_losses(metrics: list[dict], val_points: list, path: Path, val_key: str, title: str) -> None:
+def plot_losses(metrics: list[dict], val_points: list, path: Path, spec: ObjectiveSpec, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,12 +91,12 @@ def plot_losses(metrics: list[dict], val_points: list, path: Path, val_key: str,
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1, label="train (compressed circuit)")
-    if val_points and val_key == "val_loss":
-        ax.plot(*zip(*val_points), "o-", label="held-out (unmasked)")
-    elif val_points:  # an accuracy: its own axis
-        ax.twinx().plot(*zip(*val_points), "o-", color="C1", label="held-out accuracy (greedy)")
+    if val_points and spec.val_is_loss:
+        ax.plot(*zip(*val_points), "o-", label=spec.val_label)
+    elif val_points:  # a score: its own axis
+        ax.twinx().plot(*zip(*val_points), "o-", color="C1", label=spec.val_label)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)" if metrics and "reward_mean" not in metrics[-1] else "loss")
+    ax.set_ylabel(spec.loss_label)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -216,19 +222,19 @@ def _begin(engine: Engine, ckpt: Path, resume: bool) -> tuple[int, list]:
         return operator.index(start), [(int(s), float(v)) for s, v in extra["val_points"]]
 
 
-def _row(engine: Engine, cfg: Config, step: int, loss: float, wall_s: float, val_points: list) -> dict:
-    """A step's metrics row (the module docstring's keys), with the held-out measure when one is due."""
-    b = engine.bytes_total()
-    row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(step),
+def _row(engine: Engine, cfg: Config, vk: str, step: int, loss: float, wall_s: float, val_points: list) -> dict:
+    """A step's metrics row (the module docstring's keys), with the held-out measure ``vk`` when one is due."""
+    b, objective = engine.bytes_total(), engine.objective
+    row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(),
            "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES}, "wall_s": wall_s,
-           **engine.step_metrics()}
+           **objective.metrics()}
     diag = engine.diagnostics()
     if diag is not None:
         row["diag"] = diag
     if cfg.eval.every and (step + 1) % cfg.eval.every == 0 and step + 1 < cfg.train.steps:
-        row[engine.val_key] = engine.validation_loss()
-        row.update(engine.validation_metrics())
-        val_points.append((step + 1, row[engine.val_key]))
+        row[vk] = objective.validation()
+        row.update(objective.validation_metrics())
+        val_points.append((step + 1, row[vk]))
         energy = engine.captured_energy()
         if energy:
             row["captured_energy"] = energy
@@ -237,23 +243,24 @@ def _row(engine: Engine, cfg: Config, step: int, loss: float, wall_s: float, val
 
 def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: bool = True) -> dict | None:
     """Train ``engine`` as configured; the lead returns the summary (also in ``out/summary.json``)."""
-    t, ckpt, vk = cfg.train, out / "checkpoint", engine.val_key
+    t, ckpt, spec, objective = cfg.train, out / "checkpoint", spec_of(cfg), engine.objective
+    vk = spec.val_key
     step, val_points = _begin(engine, ckpt, resume)
     rows = Rows(engine, cfg, out, step, resume, progress)
     recovery = Recovery(engine, cfg, ckpt, step if resume else None)
     if not val_points:
-        val_points.append((0, engine.validation_loss()))
+        val_points.append((0, objective.validation()))
     nan_at = nan_at_step()  # divergence tests only: one NaN loss (thinpipe/faults.py)
     shown = f"{val_points[-1][1]:.3f}"
     try:
         while step < t.steps:
-            joined = engine.at_step(step)  # an elastic replica that joined a running job goes on at the job's step
+            joined = engine.before_step(step)  # an elastic replica that joined a running job goes on at its step
             if joined != step:
                 step = joined
                 rows.go_to(step)
                 if step >= t.steps:
                     break
-            loss = engine.train_step(step)
+            loss = engine.commit_step(step, objective.step(step))
             if loss is None:  # not committed (elastic: a replica left mid-step); rolled back: the step again
                 continue
             if step == nan_at:
@@ -261,7 +268,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
             diverged = (None if math.isfinite(loss) and math.isfinite(engine.grad_norm()) else
                         f"loss {loss}, gradient norm {engine.grad_norm()}")
             if diverged is None:
-                row = _row(engine, cfg, step, loss, rows.wall(), val_points)
+                row = _row(engine, cfg, vk, step, loss, rows.wall(), val_points)
                 shown = f"{row[vk]:.3f}" if vk in row else shown
                 rows.append(row, vk, shown)
                 diverged = recovery.after_step(step, val_points)
@@ -280,12 +287,12 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
         raise recovery.stop(t.steps - 1, "non-finite weights after its update")
     engine.save(ckpt, {"val_points": val_points})  # before the anchor circuit stops: its ranks write their parts
     engine.finish()
-    final_val = engine.validation_loss()
+    final_val = objective.validation()
     val_points.append((t.steps, final_val))
-    summary = _summary(engine, cfg, rows.metrics, val_points, wall, recovery.rollbacks)
+    summary = _summary(engine, cfg, spec, rows.metrics, val_points, wall, recovery.rollbacks)
     if summary is None:
         return None
-    final_more = engine.validation_metrics()
+    final_more = objective.validation_metrics()
     summary.update({f"final_{k}": v for k, v in final_more.items()})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # the metrics rows' convention: a row's val_loss is measured after its step, so the final one
@@ -294,30 +301,31 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     rows.dash.summary(summary, t.steps - 1)
     rows.dash.close()
     b_cfg = cfg.boundary
-    plot_losses(rows.metrics, val_points, out / "loss.png", vk,
+    plot_losses(rows.metrics, val_points, out / "loss.png", spec,
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
                 f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
     return summary
 
 
-def _summary(engine: Engine, cfg: Config, metrics: list, val_points: list, wall: float,
+def _summary(engine: Engine, cfg: Config, spec: ObjectiveSpec, metrics: list, val_points: list, wall: float,
              rollbacks: int) -> dict | None:
     """``summary.json`` (the lead's; None elsewhere, after the collectives every rank takes part in)."""
-    t, vk = cfg.train, engine.val_key
+    t, vk = cfg.train, spec.val_key
     b = engine.bytes_total()
     extras = engine.summary_extras()
     if not engine.lead:
         return None
-    tokens = engine.tokens_seen(t.steps - 1)
+    tokens = engine.tokens_seen()
     final_val = val_points[-1][1]
     return {
         "engine": extras.pop("engine"), "world_size": engine.world_size, "steps": t.steps, "tokens": tokens,
-        f"initial_{vk}": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
-        f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if t.objective == "sft" else {}),
+        "val_key": vk, f"initial_{vk}": val_points[0][1], "final_train_loss": metrics[-1]["loss"] if metrics else None,
+        f"final_{vk}": final_val, **({"val_ppl": math.exp(final_val)} if spec.val_perplexity else {}),
         "objective": t.objective,
         **{f"{a}_bytes": b[a] for a in AXES}, "bytes_per_token": {a: b[a] / tokens for a in AXES},
         "wall_s": wall, "tokens_per_s": tokens / wall if wall > 0 else None, "rollbacks": rollbacks,
         **extras, "val_points": val_points,
+        **code_stamp(),  # which code produced it (thinpipe/provenance.py)
     }
 
 

@@ -19,12 +19,13 @@ from thinpipe.console import say
 from thinpipe.engine.loop import resolve_resume, run
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.engine.sim_pipe import SimPipe
-from thinpipe.objective.registry import make_objective
-from thinpipe.rank.from_config import build_data, load, place, val_batches
+from thinpipe.objective.registry import build_data, make_objective
+from thinpipe.rank.from_config import load, place, val_batches
 
 
 def mesh_validation_loss(mesh: SimMesh, val, batch_size: int) -> float:
-    """Replica 0's held-out loss over ``val`` (token mean): what ``objective/sft.py`` measures (``thinpipe prune``)."""
+    """Replica 0's held-out loss over ``val`` (token mean): the next-token objective's held-out measure (``thinpipe
+    prune``)."""
     total, n = 0.0, 0
     for batch in val_batches(val, batch_size):
         s, c = mesh.eval_loss(batch)
@@ -50,38 +51,27 @@ class SimEngine:
         # train.objective's step over every replica (objective/registry.py)
         self.objective = make_objective(cfg, SimPipe(self.mesh, loaded.tokenizer), self.train_ds, self.val_ds,
                                         loaded.tokenizer, self.mesh.replica_boundaries)
-        self.val_key = self.objective.val_key
 
     def residual_start(self) -> None:
         if any(b.wants_residual_init for b in self.mesh.boundaries):
             self.mesh.residual_start(self.objective.residual_batches())
         self.objective.start()
 
-    def at_step(self, step: int) -> int:
+    def before_step(self, step: int) -> int:
         return step
 
-    def tokens_seen(self, step: int) -> int:
-        return self.objective.tokens
-
-    def train_step(self, step: int) -> float:
-        loss = self.objective.step(step)
+    def commit_step(self, step: int, loss: float) -> float:
         self.mesh.step_index = step + 1
         return loss
+
+    def tokens_seen(self) -> int:
+        return self.objective.tokens
 
     def grad_norm(self) -> float:
         return self.mesh.last_grad_norm
 
     def bytes_total(self) -> dict[str, int]:
         return self.mesh.meter.snapshot()
-
-    def step_metrics(self) -> dict:
-        return self.objective.metrics()
-
-    def validation_loss(self) -> float:
-        return self.objective.validation()
-
-    def validation_metrics(self) -> dict:
-        return self.objective.validation_metrics()
 
     def captured_energy(self) -> dict | None:
         """Per boundary with a subspace: captured energy of the first validation batch's residual by

@@ -69,8 +69,6 @@ class SimMesh:
             for r, (stages, bounds) in enumerate(zip(self.replicas, self.replica_boundaries))]
         self.workers = [{rk.index: rk.worker for rk in row} for row in self.ranks]
         self.optimizers = [[rk.optimizer for rk in row] for row in self.ranks]
-        self.diloco = [[rk.diloco for rk in row] for row in self.ranks] if self.ranks[0][0].diloco else None
-        self.streaming = [[rk.streaming for rk in row] for row in self.ranks] if self.ranks[0][0].streaming else None
         self.anchor = (SimAnchorCircuit(model, cfg, self.mailbox, self.meter, on_wire, self.compute_dtype,
                                         replica_tag=m.dp) if m.anchor else None)
         if self.anchor is not None:
@@ -127,7 +125,7 @@ class SimMesh:
         return total
 
     def forward_backward(self, batches: list[dict]) -> float:
-        """``run_schedules`` of one SFT batch per replica (tests); returns the mean over replicas of the
+        """``run_schedules`` of one next-token batch per replica (tests); returns the mean over replicas of the
         (token-mean) training loss."""
         ctxs = {r: make_contexts(to_device(b, self.device), self.cfg.train.microbatches, self.step_index, r)
                 for r, b in enumerate(batches)}
@@ -143,7 +141,7 @@ class SimMesh:
 
     def sync_gradients(self) -> None:
         """The per-step gradient syncs alone (DP per stage, then the tied embedding), for tests."""
-        self.phase(lambda rk: rk.dp_sync())
+        self.phase(lambda rk: rk.dp_sync(self.step_index))
         self.phase(lambda rk: rk.tied_sync())
 
     def update(self, index: int, lr: float, ctxs: dict[int, list[MicrobatchContext]], source=None) -> float:
@@ -176,8 +174,8 @@ class SimMesh:
         return total
 
     def train_step(self, batches: list[dict], anchor_batch: dict | None = None) -> float:
-        """One SFT step of every rank on one batch per replica (tests and benchmarks; a run's step is
-        ``objective/sft.py``'s through ``update``); returns the mean over replicas of the training loss."""
+        """One next-token step of every rank on one batch per replica (tests and benchmarks; a run's step is
+        its objective's, through ``update``); returns the mean over replicas of the training loss."""
         ctxs = {r: make_contexts(to_device(b, self.device), self.cfg.train.microbatches, self.step_index, r)
                 for r, b in enumerate(batches)}
         loss = self.update(self.step_index, self.lr_at(self.step_index), ctxs, _AnchorBatch(anchor_batch))
@@ -257,7 +255,7 @@ class SimMesh:
 
 
 class _AnchorBatch:
-    """``train_step``'s anchor rows: the batch a test hands it (SFT: the anchor's own shard)."""
+    """``train_step``'s anchor rows: the batch a test hands it (the anchor's own shard)."""
 
     anchor_local = True
 

@@ -16,8 +16,8 @@ from thinpipe.objective.pipe import (
     forward_only,
     forward_order,
     reference_worker,
-    wants_reference,
 )
+from thinpipe.objective.registry import wants_reference
 
 
 class SimPipe:
@@ -30,7 +30,8 @@ class SimPipe:
         self.eval_workers = [{rk.index: eval_worker(rk.stage, rk.replica, rk.in_boundary, rk.out_boundary, mesh.mailbox,
                                                     mesh.compute_dtype) for rk in row} for row in mesh.ranks]
 
-        # GSPO's KL: a frozen copy of each replica's starting stages, on dense boundaries
+        # an objective that needs a reference (ObjectiveSpec.needs_reference): a frozen copy of each replica's
+        # starting stages, on dense boundaries
         self.ref_workers = ([{rk.index: reference_worker(rk.stage, rk.replica, rk.in_boundary, rk.out_boundary,
                                                          mesh.mailbox, mesh.compute_dtype) for rk in row}
                              for row in mesh.ranks] if wants_reference(mesh.cfg) else None)

@@ -5,7 +5,7 @@ and asks it for log-likelihoods, rolling log-likelihoods and greedy generations,
 thinpipe's stages: the logits of a model split by ``--set mesh.pp=N`` or of a run folder (through the run's
 boundaries where they are part of its model, ``SimMesh.logits``) and the KV-cached generation of the mesh
 (``engine/sim_generate.py``). Each request is built exactly as lm-eval's own ``hf`` backend (``HFLM``) builds
-it, so that the same task on the same model gives the same numbers through either (tests/test_harness.py):
+it, so that the same task on the same model gives the same numbers through either (tests/integration/test_harness.py):
 
 - tokens: ``tok_encode`` with the tokenizer's own special tokens unless the string already starts with BOS;
   an empty context is the prefix token (BOS, else EOS); ``TemplateLM._encode_pair`` splits context and

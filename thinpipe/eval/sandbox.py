@@ -35,7 +35,7 @@ them; the fallback lets the kernel lock every inherited mount in it) cannot remo
 Not covered: kernel exploits (the program can make any system call; no seccomp filter); memory is
 limited per process, so the total is up to ``MAX_PROCESSES`` x ``memory_mb`` (no cgroup); the disk
 in ``/scratch`` is limited per file, not in total; CPU time is bounded by the timeout, not shared
-fairly. Run evaluations on a machine you are prepared to lose. tests/eval/test_sandbox.py tries each
+fairly. Run evaluations on a machine you are prepared to lose. tests/unit/eval/test_sandbox.py tries each
 escape, as root and as an unprivileged user, under each backend installed.
 """
 

@@ -1,20 +1,22 @@
 """What an objective is to the engines (docs/architecture.md: one step path): SFT, DPO and GSPO implement it alike.
 
-An objective owns its data (streams per replica it drives, held-out rows), builds the microbatch contexts of a step
+An objective owns its data (streams per replica it drives, held-out rows; how they are read is its
+``spec.py: ObjectiveSpec``, with everything else that is not its step), builds the microbatch contexts of a step
 (``rank/context.py``: ids, labels, and for DPO / GSPO the last stage's ``loss_fn`` and its per-row tensors), hands
 them to its ``Pipe`` (``objective/pipe.py``: one per engine, the only code that knows a transport) and turns what the
-last stages report into the step's loss and metrics. The engines call nothing else: no engine names an objective.
+last stages report into the step's loss and metrics. The run loop (``engine/loop.py``) calls these methods; an engine
+only builds it (``registry.make_objective``) and brackets its step: no engine names an objective.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from thinpipe.rank.context import MicrobatchContext
 
 
+@runtime_checkable
 class Objective(Protocol):
-    val_key: str   # the held-out measure's metrics key: ``val_loss`` (SFT, DPO) or ``val_accuracy`` (GSPO)
     tokens: int    # trained (non-padding for DPO / GSPO) tokens of every replica this process's pipe sums over
 
     def start(self) -> None:
@@ -41,11 +43,11 @@ class Objective(Protocol):
         ...
 
     def validation(self) -> float:
-        """The held-out measure (``val_key``), the same number on every process."""
+        """The held-out measure (its spec's ``val_key``), the same number on every process."""
         ...
 
     def validation_metrics(self) -> dict:
-        """Further held-out numbers of the last ``validation()``, written beside ``val_key`` in its row and as
+        """Further held-out numbers of the last ``validation()``, written beside the measure in its row and as
         ``final_<key>`` in the summary (DPO's ``val_dpo_accuracy`` and ``val_dpo_margin``; SFT, GSPO: none)."""
         ...
 

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.data.preferences import pair_batches
+from thinpipe.data.preferences import build_preference_dataset, pair_batches
+from thinpipe.objective.data import common_data_args, enough_rows, users_files
 from thinpipe.objective.losses import dpo_loss, response_logprobs
 from thinpipe.objective.pipe import Pipe, chunk_contexts, pack_rows, trim_padding, unpack_rows
+from thinpipe.objective.spec import ObjectiveSpec
 from thinpipe.rank.from_config import lr_at
 
 STATS = ("pairs", "loss_sum", "margin_sum", "wins", "tokens")
@@ -57,8 +59,28 @@ def build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica) -> "Dpo":
     return Dpo(cfg, pipe, train_ds, val_ds)
 
 
+def data(cfg, tokenizer):
+    """(train, held-out) preference pairs from a user's files (``data/preferences.py``: rows 2i and 2i + 1 are
+    pair i); ``data.val_rows`` keeps the first held-out pairs."""
+    t, d = cfg.train, cfg.data
+    name, common = users_files(cfg), common_data_args(cfg)
+    train, val = (build_preference_dataset(name, tokenizer, t.seq_len, split, t.seed,
+                                           max_examples=(d.max_examples or None) if split == "train" else None,
+                                           **common) for split in ("train", "val"))
+    if d.val_rows:  # the first pairs: rows 2i and 2i + 1 are pair i
+        val.input_ids, val.labels, val.segment_ids = (x[:2 * d.val_rows] for x in
+                                                      (val.input_ids, val.labels, val.segment_ids))
+    enough_rows(cfg, len(train), t.batch_size * cfg.mesh.dp, "preference pairs",
+                "add rows or lower train.batch_size / rl.prompts_per_step")
+    return train, val
+
+
+SPEC = ObjectiveSpec(name="dpo", build=build, data=data, val_key="val_loss", loss_label="DPO loss",
+                     val_label="held-out DPO loss (dense)", anchor_contexts=anchor_contexts,
+                     anchor_per_row=anchor_per_row, anchor_max_rows=anchor_max_rows)
+
+
 class Dpo:
-    val_key = "val_loss"
 
     def __init__(self, cfg, pipe: Pipe, train_ds, val_ds):
         self.cfg, self.pipe, self.train_ds, self.val_ds = cfg, pipe, train_ds, val_ds

@@ -26,10 +26,12 @@ from thinpipe.boundary.prf import prf_key
 from thinpipe.config import ConfigError
 from thinpipe.data.chat import resolve_chat_format, tokenize_messages
 from thinpipe.data.loader import derive_seed
-from thinpipe.data.prompts import prompt_batches
+from thinpipe.data.prompts import build_prompt_dataset, prompt_batches
+from thinpipe.objective.data import common_data_args, enough_rows, users_files
 from thinpipe.objective.losses import group_advantages, policy_loss, response_logprobs, token_entropy
 from thinpipe.objective.pipe import GENERATE_BATCH, Pipe, chunk_contexts, pack_rows, rollout_rows, unpack_rows
 from thinpipe.objective.rewards import math_reward, overlong_penalty
+from thinpipe.objective.spec import ObjectiveSpec
 from thinpipe.rank.from_config import lr_at
 from thinpipe.rank.generation import Sampling
 
@@ -115,10 +117,35 @@ def build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica) -> "Gspo":
     return Gspo(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica)
 
 
+def data(cfg, tokenizer):
+    """(train, held-out) prompts with reference answers from a user's files (``data/prompts.py``), each prompt at
+    most ``train.seq_len - rl.max_response_tokens`` tokens; ``data.val_rows`` keeps the first held-out prompts."""
+    t, d = cfg.train, cfg.data
+    name, common = users_files(cfg), common_data_args(cfg)
+    room = t.seq_len - cfg.rl.max_response_tokens
+    train, val = (build_prompt_dataset(name, tokenizer, split, t.seed,
+                                       max_examples=(d.max_examples or None) if split == "train" else None,
+                                       max_prompt_tokens=room, **common) for split in ("train", "val"))
+    if d.val_rows:
+        val.prompts, val.answers, val.texts = val.prompts[:d.val_rows], val.answers[:d.val_rows], \
+            val.texts[:d.val_rows]
+    enough_rows(cfg, len(train), cfg.rl.prompts_per_step * cfg.mesh.dp, "prompts",
+                "add rows or lower train.batch_size / rl.prompts_per_step")
+    return train, val
+
+
+def needs_reference(cfg) -> bool:
+    """With a KL to the starting weights every rank keeps a frozen copy of them."""
+    return cfg.rl.kl_beta > 0
+
+
+SPEC = ObjectiveSpec(name="gspo", build=build, data=data, val_key="val_accuracy", val_is_loss=False,
+                     loss_label="GSPO loss", val_label="held-out accuracy (greedy)", needs_reference=needs_reference,
+                     anchor_contexts=anchor_contexts, anchor_per_row=anchor_per_row, anchor_max_rows=anchor_max_rows)
+
+
 class Gspo:
     """The GSPO objective of the process driving ``pipe``."""
-
-    val_key = "val_accuracy"
 
     def __init__(self, cfg, pipe: Pipe, train_ds, val_ds, tokenizer, bounds_by_replica: list):
         self.cfg, self.pipe, self.train_ds, self.val_ds, self.tokenizer = cfg, pipe, train_ds, val_ds, tokenizer

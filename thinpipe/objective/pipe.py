@@ -10,7 +10,7 @@ diagnostic (simulation), and every phase of ``StageRank`` (docs/architecture.md)
 from __future__ import annotations
 
 import copy
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -24,6 +24,7 @@ from thinpipe.rank.worker import StageWorker
 GENERATE_BATCH = 32  # sequences per generation pass (held-out prompts come in hundreds)
 
 
+@runtime_checkable
 class Pipe(Protocol):
     replicas: list[int]   # the fast replicas whose pipelines this process drives (simulation: all; a rank: its own,
     #                       an elastic replica's: its replica of the job), whose data shards it trains on
@@ -176,11 +177,6 @@ def eval_worker(stage, replica: int, in_b, out_b, transport, compute_dtype: torc
     """A worker of ``stage`` through what evaluation passes through (``passes.py: eval_boundary``), unmetered."""
     return StageWorker(stage, replica, eval_boundary(in_b) if in_b is not None else None,
                        eval_boundary(out_b) if out_b is not None else None, transport, compute_dtype, axes=(None, None))
-
-
-def wants_reference(cfg) -> bool:
-    """GSPO with a KL to the starting weights keeps a frozen copy of them on every rank."""
-    return cfg.train.objective == "gspo" and cfg.rl.kl_beta > 0
 
 
 def reference_worker(stage, replica: int, in_b, out_b, transport, compute_dtype: torch.dtype) -> StageWorker:

@@ -9,6 +9,10 @@ circuit trains on its own shard of the data (anchor-priors §3: a replica of its
 
 from __future__ import annotations
 
+from thinpipe.config import ConfigError
+from thinpipe.data import build_dataset
+from thinpipe.objective.data import common_data_args
+from thinpipe.objective.spec import ObjectiveSpec
 from thinpipe.placement import to_device
 from thinpipe.rank.context import make_contexts
 from thinpipe.rank.from_config import anchor_stream, lr_at, replica_stream, residual_batches, val_batches
@@ -16,6 +20,24 @@ from thinpipe.rank.from_config import anchor_stream, lr_at, replica_stream, resi
 
 def build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica) -> "Sft":
     return Sft(cfg, pipe, train_ds, val_ds)
+
+
+def data(cfg, tokenizer):
+    """(train, held-out): a corpus or a user's files packed into rows of ``train.seq_len`` tokens
+    (``data/loader.py: build_dataset``); ``data.val_rows`` keeps the first held-out rows."""
+    t, d = cfg.train, cfg.data
+    common = common_data_args(cfg)
+    train = build_dataset(d.name, tokenizer, t.seq_len, "train", t.seed, d.max_examples or None, **common)
+    val = build_dataset(d.name, tokenizer, t.seq_len, "val", t.seed, **common)
+    if len(train) < t.batch_size * cfg.mesh.dp:
+        raise ConfigError(f"data {d.name!r} packs into {len(train)} training rows of {t.seq_len} tokens, "
+                          "fewer than one "
+                          f"step needs ({t.batch_size} x {cfg.mesh.dp} replicas): lower train.batch_size or raise "
+                          "data.max_examples")
+    if d.val_rows:
+        val.input_ids, val.labels, val.segment_ids = (val.input_ids[:d.val_rows], val.labels[:d.val_rows],
+                                                      val.segment_ids[:d.val_rows])
+    return train, val
 
 
 def anchor_contexts(cfg, rows, index, tag, device):
@@ -31,8 +53,12 @@ def anchor_max_rows(cfg) -> int:
     return 0  # nothing travels: the anchor reads its own shard
 
 
+SPEC = ObjectiveSpec(name="sft", build=build, data=data, val_key="val_loss", val_perplexity=True,
+                     loss_label="loss (nats/token)", val_label="held-out (unmasked)", anchor_contexts=anchor_contexts,
+                     anchor_per_row=anchor_per_row, anchor_max_rows=anchor_max_rows)
+
+
 class Sft:
-    val_key = "val_loss"
 
     def __init__(self, cfg, pipe, train_ds, val_ds):
         self.cfg, self.pipe, self.train_ds, self.val_ds = cfg, pipe, train_ds, val_ds

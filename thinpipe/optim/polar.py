@@ -6,7 +6,7 @@ p_k(X) = a_k X + b_k (X X^T) X + c_k (X X^T)^2 X with coefficients chosen per it
 (minimax-optimal for the singular-value interval the previous iterations leave), so the first
 steps inflate small singular values fast and the last ones converge like Newton-Schulz. MAPL uses
 5 steps for the SPEL direction (an LMO: roughly orthogonal is enough, as in Muon) and 7 for the
-retraction onto St(d, r) (which must be orthonormal to ~1e-5: see tests/test_stiefel.py).
+retraction onto St(d, r) (which must be orthonormal to ~1e-5: see tests/unit/optim/test_stiefel.py).
 
 The coefficient table is the published degree-5 schedule for l = 1e-3 with the paper's safety
 factor 1.01 (all but the last, fixed-point polynomial are divided by 1.01, 1.01^3, 1.01^5).

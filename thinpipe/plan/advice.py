@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from thinpipe.config import Config, ConfigError, apply_overrides
+from thinpipe.config.boundary_kinds import IdentityKind, MaskKind  # the advice's sweep: the mask ratio
+from thinpipe.dp.kinds import DPOption, kinds
 from thinpipe.plan.planner import ARCHITECTURES, Device, activation_fraction, plan, powersgd_ratio
 
 MAX_P = 0.95
@@ -64,7 +66,8 @@ class BoundaryOption:
 
 def mask_options() -> list[BoundaryOption]:
     return [BoundaryOption("dense" if p == 0 else f"mask p={p:g}",
-                           {"boundary.kind": "identity"} if p == 0 else {"boundary.kind": "mask", "boundary.p": p}, p)
+                           {"boundary.kind": IdentityKind.name} if p == 0 else
+                           {"boundary.kind": MaskKind.name, "boundary.p": p}, p)
             for p in P_GRID]
 
 
@@ -104,10 +107,7 @@ def load_probe(path: str | Path, cfg: Config, max_damage: float) -> list[Boundar
 @dataclass(frozen=True)
 class Candidate:
     boundary: BoundaryOption
-    dp_kind: str
-    dp_rank: int
-    h: int
-    powersgd_x: float
+    dp: DPOption
     result: dict
 
     @property
@@ -116,29 +116,33 @@ class Candidate:
         return self.boundary.order
 
     @property
+    def h(self) -> int:
+        return self.dp.interval
+
+    @property
+    def powersgd_x(self) -> float:
+        return self.dp.ratio_x
+
+    @property
     def dp_compression_x(self) -> float:
         return self.powersgd_x * self.h
 
     def settings(self) -> dict[str, str]:
         s = {k: f"{v:g}" if isinstance(v, float) else str(v) for k, v in self.boundary.settings.items()}
-        s["dp.kind"] = self.dp_kind
-        if self.dp_kind != "allreduce":
-            s["dp.rank"] = str(self.dp_rank)
-        if self.dp_kind == "diloco":
-            s["dp.inner_steps"] = str(self.h)
-        return s
+        return {**s, **self.dp.settings()}
 
 
-def _dp_options(cfg: Config) -> list[tuple[str, int, int, float]]:
-    """(dp.kind, dp.rank, H, PowerSGD ratio x) within the limits; one replica needs none."""
+def _dp_options(cfg: Config) -> list[DPOption]:
+    """What every DP scheme offers on the grid of ranks (PowerSGD ratio x within the limit) and H; one replica
+    needs no compression: the offers at rank 0 and H = 1."""
     if cfg.mesh.dp <= 1:
-        return [("allreduce", 0, 1, 1.0)]
-    arch = ARCHITECTURES[cfg.model.name]
-    ranks = [(0, 1.0)] + [(r, 1 / powersgd_ratio(arch, r, cfg.train.lora)) for r in RANK_GRID]
-    ranks = [(r, x) for r, x in ranks if x <= MAX_POWERSGD_X]
-    out = [("allreduce", 0, 1, 1.0)] + [("powersgd", r, 1, x) for r, x in ranks if r]
-    out += [("diloco", r, h, x) for r, x in ranks for h in H_GRID if h > 1 and h <= MAX_H]
-    return out
+        ranks, intervals = [(0, 1.0)], [1]
+    else:
+        arch = ARCHITECTURES[cfg.model.name]
+        ranks = [(0, 1.0)] + [(r, 1 / powersgd_ratio(arch, r, cfg.train.lora)) for r in RANK_GRID]
+        ranks = [(r, x) for r, x in ranks if x <= MAX_POWERSGD_X]
+        intervals = [h for h in H_GRID if h <= MAX_H]
+    return [o for scheme in kinds().values() for o in scheme.offers(ranks, intervals)]
 
 
 def candidates(cfg: Config, device: Device, options: list[BoundaryOption] | None = None) -> list[Candidate]:
@@ -146,11 +150,10 @@ def candidates(cfg: Config, device: Device, options: list[BoundaryOption] | None
     advice's order: least boundary order key first, then least DP compression."""
     out = []
     for opt in options if options is not None else mask_options():
-        for kind, rank, h, x in _dp_options(cfg):
+        for dp in _dp_options(cfg):
             c = copy.deepcopy(cfg)
-            apply_overrides(c, {**opt.settings, "dp.kind": kind, "dp.rank": rank, "dp.inner_steps": h},
-                            source="plan advice")
-            out.append(Candidate(opt, kind, rank, h, x, plan(c, device, opt.rho_act)))
+            apply_overrides(c, {**opt.settings, **dp.overrides()}, source="plan advice")
+            out.append(Candidate(opt, dp, plan(c, device, opt.rho_act)))
     out.sort(key=lambda c: (c.p, c.dp_compression_x))
     return out
 

@@ -18,10 +18,11 @@ Measured against it: experiments/elastic (a 5 s stall and a replica back 6.1 s a
 from __future__ import annotations
 
 
-def heal_bytes(params: float, trained: float, stages: int, b_param: float, diloco: bool) -> float:
-    """One stage's state a joiner receives: weights, AdamW's two fp32 moments of what trains,
-    and DiLoCo's fp32 global copy and outer momentum."""
-    return params / stages * b_param + trained / stages * (8 + (8 if diloco else 0))
+def heal_bytes(params: float, trained: float, stages: int, b_param: float, dp_state_bytes: int) -> float:
+    """One stage's state a joiner receives: weights, AdamW's two fp32 moments of what trains, and
+    the DP scheme's ``dp_state_bytes`` per trained parameter (``DPScheme.state_bytes_per_param``:
+    DiLoCo's fp32 global copy and outer momentum, 8)."""
+    return params / stages * b_param + trained / stages * (8 + dp_state_bytes)
 
 
 def churn_tokens_per_s(tokens_per_s: float, step_s: float, replicas: int, mtbf_s: float, detect_s: float,

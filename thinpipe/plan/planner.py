@@ -6,18 +6,20 @@ schedule-level simulation (``des.py``; the ``des_*`` keys). Every number says wh
 Inputs read from the config: mesh.dp (fast replicas D), mesh.pp (stages K), mesh.anchor;
 train.batch_size x train.seq_len (tokens per replica step S), train.dtype (bytes per DP element);
 boundary.dtype (the PP wire: ``auto`` is train.dtype, as ``rank/from_config.py: wire_dtype``; it sets
-b_act, and Dense's bytes that the PP compression is stated against); boundary.kind and boundary.p
-(fraction of a dense boundary's bytes sent: a quantiser's codes are the same bytes on either wire,
-so its fraction doubles on a bf16 one); dp.kind, dp.rank, dp.inner_steps
-(PowerSGD ratio from the architecture's matrix shapes, DiLoCo's sync interval); anchor.push_rank;
-link.pp_mbps and link.dp_mbps (bandwidths; the anchor's pull and push use the DP link).
+b_act, and Dense's bytes that the PP compression is stated against); the [boundary] section (the
+fraction of a dense boundary's bytes sent, which the configured kind's boundaries count, built on the
+architecture: a quantiser's codes are the same bytes on either wire, so its fraction doubles on a bf16
+one); dp.kind, dp.rank, dp.inner_steps (PowerSGD ratio from the architecture's matrix shapes, DiLoCo's
+sync interval); anchor.push_rank; link.pp_mbps and link.dp_mbps (bandwidths; the anchor's pull and push
+use the DP link).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from thinpipe.config import Config, ConfigError
+from thinpipe.config import BOUNDARY_KINDS, Config, ConfigError
+from thinpipe.dp.kinds import describe, lowrank_ratio
 from thinpipe.plan import closed_form as cf
 from thinpipe.plan.churn import churn_tokens_per_s, heal_bytes
 from thinpipe.plan.des import PipelineStep, simulate
@@ -86,10 +88,7 @@ PRESET_DEVICE = {"paper-llama1b": "a100-40gb"}
 def powersgd_ratio(arch: Architecture, rank: int, lora=None) -> float:
     """Bytes sent / dense bytes for PowerSGD at ``rank`` over the trained matrices (vectors,
     ~0.1% of a Llama, are left out); a matrix PowerSGD cannot shrink is sent dense."""
-    mats = arch.trained_matrices(lora) if lora is not None else arch.matrices()
-    dense = sum(n * m for n, m in mats)
-    sent = sum(min(rank, n, m) * (n + m) if min(rank, n, m) * (n + m) < n * m else n * m for n, m in mats)
-    return sent / dense
+    return lowrank_ratio(arch.trained_matrices(lora) if lora is not None else arch.matrices(), rank)
 
 
 def wire_dtype_name(cfg: Config) -> str:
@@ -105,65 +104,25 @@ def wire_bytes(cfg: Config) -> int:
     return 2 if wire_dtype_name(cfg) == "bfloat16" else 4
 
 
+PLANNED_TOKENS = 1 << 30  # a long run's tokens: the per-token figure without a microbatch's rounding
+
+
 def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> float:
-    """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends."""
-    b = cfg.boundary
-    if b.kind == "identity":
-        return 1.0
-    kept = max(1, round((1.0 - b.p) * arch.hidden)) / arch.hidden  # K / H, K as boundary/mask.py: kept_dims
-    if b.kind == "mask":
-        return kept  # the mask comes from a shared PRF: no indices cross
-    if b.kind == "topk":
-        # forward: kept values + their indices; backward: values only (boundary/topk.py)
-        index_bytes = 2 if arch.hidden < 2 ** 15 else 4
-        return kept * (1 + index_bytes / (2 * elem_bytes))
-    if b.kind == "bottleneck":
-        return kept  # K values each way, nothing else
-    if b.kind in ("quant4", "quant2", "aqsgd", "tahquant"):
-        # bits per value + the per-group offset and step (2 x bf16); AQ-SGD in its steady state
-        # (every row revisited); TAH-Quant's extra bit on a share of the tiles and its meta byte.
-        fwd, bwd = b.bits()
-        group = b.quant_group or arch.hidden
-        side = 32 / group
-        if b.kind == "tahquant":
-            fwd_bits = fwd + b.tah_high_fraction + side + 8 / group
-        else:
-            fwd_bits = fwd + side
-        return (fwd_bits + bwd + side) / (2 * 8 * elem_bytes)
-    if b.kind == "outlier":
-        # per value, forward: fwd bits after rotation + the scales (min/max: offset + step, 32 bits; Lloyd-Max:
-        # one bf16 RMS, 16 bits) per outlier_scale_group dims + C intact channels (wire dtype or bf16);
-        # backward: the kept share of tokens at bwd bits + their scales per outlier_bwd_scale_group dims, and a
-        # 1-bit token map when tokens are dropped; a direction left dense (boundary.compress) is the wire's
-        fwd, bwd = b.bits()
-        if b.outlier_fwd_bits:  # per-boundary bits: their mean over the boundaries
-            fwd = sum(b.outlier_fwd_bits) / len(b.outlier_fwd_bits)
-        tile = b.quant_group or arch.hidden
-        scale_bits = 16 if b.outlier_grid == "lloyd-max" else 32
-        per = {0: tile, -1: arch.hidden}
-        intact = 2 if b.outlier_dtype == "bfloat16" else elem_bytes
-        fwd_bits = fwd + scale_bits / per.get(b.outlier_scale_group, b.outlier_scale_group) \
-            + b.outlier_channels * 8 * intact / arch.hidden
-        bwd_bits = b.outlier_bwd_tokens * (bwd + scale_bits / per.get(b.outlier_bwd_scale_group,
-                                                                       b.outlier_bwd_scale_group))
-        bwd_bits += 1 / arch.hidden if b.outlier_bwd_tokens < 1 else 0
-        dense = 8 * elem_bytes
-        fwd_bits, bwd_bits = (dense if b.compress == "bwd" else fwd_bits), (dense if b.compress == "fwd" else bwd_bits)
-        return (fwd_bits + bwd_bits) / (2 * dense)
-    if b.kind == "klt":
-        # forward: klt_bits per value on average (the bound: every token scored; a batch's prompt tokens
-        # cost klt_context_bits instead, which the probe measures) + one bf16 scale per token + C intact
-        # bf16 channels; backward: as outlier's Lloyd-Max token-sparse one. The start's basis is sent once
-        # per run and not in this per-token figure, nor are the per-width scales of a fitted basis (up to 7 more
-        # bf16 values per token; docs/baselines.md: klt): thinpipe probe measures both.
-        dense = 8 * elem_bytes
-        fwd_bits = b.klt_bits + 16 / arch.hidden + b.klt_channels * 16 / arch.hidden
-        bwd_bits = b.klt_bwd_tokens * (b.bits()[1] + 16 / arch.hidden) + (1 / arch.hidden if b.klt_bwd_tokens < 1
-                                                                           else 0)
-        return (fwd_bits + bwd_bits) / (2 * dense)
-    raise ConfigError("thinpipe plan models boundary.kind = identity, mask, topk, bottleneck, outlier, klt "
-                      "and the quantisers, "
-                      f"not {b.kind!r} (the MAPL kinds' bytes depend on rank and codebooks: see docs/mapl.md)")
+    """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends: what the configured
+    kind's boundaries, built on ``arch`` without weights, count (``Boundary.planned_bytes``: their own formula),
+    averaged over the pipeline's boundaries, each of that kind (the closed form has one rho_act for them all).
+    A kind that cannot be built without the model's weights (its ``needs_model``) is refused in one line."""
+    from thinpipe.boundary import build_boundaries  # torch: only when a boundary is planned (plan/device.py)
+
+    spec = cfg.boundary.spec()
+    if spec.needs_model:
+        able = ", ".join(name for name, kind in BOUNDARY_KINDS.items() if not kind.needs_model)
+        raise ConfigError(f"thinpipe plan models boundary.kind = {able}, not {cfg.boundary.kind!r}: "
+                          f"{spec.needs_model}; `thinpipe probe` measures its bytes")
+    every = replace(cfg.boundary, masked=[])
+    boundaries = build_boundaries(every, max(cfg.mesh.pp, 2), arch.hidden, 0, None)
+    dense = 2 * PLANNED_TOKENS * arch.hidden * elem_bytes
+    return sum(sum(b.planned_bytes(PLANNED_TOKENS, elem_bytes)) for b in boundaries) / (len(boundaries) * dense)
 
 
 def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf_h: float | None = None,
@@ -192,11 +151,9 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     b_act = wire_bytes(cfg)
     B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
     rho_act = activation_fraction(cfg, arch, b_act) if rho_act is None else rho_act
-    rho_dp, tau = 1.0, 1
-    if d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0):
-        rho_dp = powersgd_ratio(arch, d.rank or 4, t.lora)
-    if d.kind in ("diloco", "streaming-diloco"):
-        tau = d.inner_steps
+    # the DP scheme describes its own exchange (dp/kinds.py): bytes over dense, steps per exchange
+    scheme = describe(d.kind)
+    rho_dp, tau = scheme.wire_ratio(d, arch.trained_matrices(t.lora)), scheme.sync_interval(d)
     t_compute = cf.t_compute_s(N, S, K, device.peak_flops, device.mfu)
     t_pp = cf.t_pp_s(K, S, H, b_act, rho_act, B_pp)
     t_dp = cf.t_dp_s(D, N_train, b, rho_dp, tau, B_dp)
@@ -250,7 +207,7 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
         out["bytes_per_token"]["anchor"] = (N_train * b_act + N_train * b_act * push_ratio * D
                                             + dense_pp * S) / (every * tokens)
     if replica_mtbf_h is not None:
-        heal_s = heal_bytes(N, N_train, K, b, d.kind in ("diloco", "streaming-diloco")) / B_dp
+        heal_s = heal_bytes(N, N_train, K, b, scheme.state_bytes_per_param(d)) / B_dp
         out["churn"] = {"replica_mtbf_h": replica_mtbf_h, "restart_s": restart_s, "heal_s": heal_s,
                         **churn_tokens_per_s(tokens / serial, serial, D, replica_mtbf_h * 3600,
                                              cfg.elastic.heartbeat_timeout_s, restart_s, heal_s)}

@@ -24,15 +24,15 @@ class MicrobatchContext:
     position_ids: torch.Tensor   # (B, T) position within the packed document
     attn_mask: torch.Tensor      # (B, 1, T, T) bool, True = may attend
     loss_scale: float            # 1 / loss tokens in the whole step (so microbatch losses sum to the mean)
-    # Objectives after SFT (thinpipe/objective/): the last stage's loss of (logits, ctx) instead of the
+    # An objective's own loss (thinpipe/objective/): the last stage's loss of (logits, ctx) instead of the
     # next-token loss, the per-row tensors it reads (advantages, old or reference log-probs) and what it
-    # reports (sums the engine turns into metrics). None / empty: SFT, today's path.
+    # reports (sums the engine turns into metrics). None / empty: the next-token loss.
     loss_fn: Callable | None = None
     extras: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
     # (B,) int64 PRF keys of the rows: a random boundary then draws each row's masks from (its key, token
     # position) alone, so a sequence gets the same masks in whatever microbatch it lands (RL's old-log-prob and
-    # update forwards). None: the key of (step, microbatch, replica) and the flat token index (SFT).
+    # update forwards). None: the key of (step, microbatch, replica) and the flat token index (the next-token loss).
     row_keys: torch.Tensor | None = None
 
     @property

@@ -1,4 +1,5 @@
-"""What both engines derive from a config in the same way: dtypes, the lr schedule, data, streams.
+"""What both engines derive from a config in the same way: dtypes, the lr schedule, data streams (an objective's
+rows are its own: ``objective/spec.py: ObjectiveSpec.data``).
 
 Each function is the one definition the simulation and the distributed engine share, so that the
 two runs of one config see the same model, data, batches and learning rates (one code path: docs/architecture.md).
@@ -7,14 +8,11 @@ two runs of one config see the same model, data, batches and learning rates (one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from thinpipe.config import Config, ConfigError
-from thinpipe.data import PackedDataset, batches, build_dataset
-from thinpipe.data.preferences import build_preference_dataset
-from thinpipe.data.prompts import build_prompt_dataset
+from thinpipe.data import PackedDataset, batches
 from thinpipe.models import LoadedModel, Stage, build_stages, load_model
 from thinpipe.models.loading import load_tokenizer, model_folder, scale_setup
 from thinpipe.models.lora import apply_lora
@@ -100,58 +98,6 @@ def load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
     check_layers(cfg, disk.config.num_hidden_layers)
     stages = stage_from_folder(folder, index, m.split or None, m.pp, cfg.train.lora, cfg.train.seed)
     return LoadedStage(stages, load_tokenizer(folder), disk, disk.config.hidden_size)
-
-
-def build_data(cfg: Config, tokenizer) -> tuple[PackedDataset, PackedDataset]:
-    t, d = cfg.train, cfg.data
-    if t.objective != "sft":
-        return build_post_data(cfg, tokenizer)
-    common = {"chat_format": d.chat_format, "val_name": d.val_name, "val_fraction": d.val_fraction,
-              "skip_bad_rows": d.skip_bad_rows}
-    train = build_dataset(d.name, tokenizer, t.seq_len, "train", t.seed, d.max_examples or None, **common)
-    val = build_dataset(d.name, tokenizer, t.seq_len, "val", t.seed, **common)
-    if len(train) < t.batch_size * cfg.mesh.dp:
-        raise ConfigError(f"data {d.name!r} packs into {len(train)} training rows of {t.seq_len} tokens, "
-                          "fewer than one "
-                          f"step needs ({t.batch_size} x {cfg.mesh.dp} replicas): lower train.batch_size or raise "
-                          "data.max_examples")
-    if d.val_rows:
-        val.input_ids, val.labels, val.segment_ids = (val.input_ids[:d.val_rows], val.labels[:d.val_rows],
-                                                      val.segment_ids[:d.val_rows])
-    return train, val
-
-
-def build_post_data(cfg: Config, tokenizer):
-    """(train, held-out) of an objective after SFT, from a user's files: preference pairs (DPO,
-    ``data/preferences.py``) or prompts with reference answers (GSPO, ``data/prompts.py``); ``data.val_rows``
-    bounds the held-out pairs or prompts."""
-    t, d = cfg.train, cfg.data
-    if not Path(d.name).exists():
-        raise ConfigError(f"train.objective = {t.objective} reads a user's files: data.name = {d.name!r} is not a "
-                          "file or folder (docs/rl.md shows the row formats)")
-    common = {"chat_format": d.chat_format, "val_name": d.val_name, "val_fraction": d.val_fraction,
-              "skip_bad_rows": d.skip_bad_rows}
-    if t.objective == "dpo":
-        train, val = (build_preference_dataset(d.name, tokenizer, t.seq_len, split, t.seed,
-                                               max_examples=(d.max_examples or None) if split == "train" else None,
-                                               **common) for split in ("train", "val"))
-        if d.val_rows:  # the first pairs: rows 2i and 2i + 1 are pair i
-            val.input_ids, val.labels, val.segment_ids = (x[:2 * d.val_rows] for x in
-                                                          (val.input_ids, val.labels, val.segment_ids))
-        need, what = t.batch_size * cfg.mesh.dp, "preference pairs"
-    else:
-        room = t.seq_len - cfg.rl.max_response_tokens
-        train, val = (build_prompt_dataset(d.name, tokenizer, split, t.seed,
-                                           max_examples=(d.max_examples or None) if split == "train" else None,
-                                           max_prompt_tokens=room, **common) for split in ("train", "val"))
-        if d.val_rows:
-            val.prompts, val.answers, val.texts = val.prompts[:d.val_rows], val.answers[:d.val_rows], \
-                val.texts[:d.val_rows]
-        need, what = cfg.rl.prompts_per_step * cfg.mesh.dp, "prompts"
-    if len(train) < need:
-        raise ConfigError(f"data {d.name!r} holds {len(train)} training {what}, fewer than one step needs ({need}): "
-                          "add rows or lower train.batch_size / rl.prompts_per_step")
-    return train, val
 
 
 def val_batches(val: PackedDataset, batch_size: int):

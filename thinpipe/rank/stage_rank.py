@@ -11,15 +11,16 @@ process runs its own phase to the end, waiting on each ``Work``. The math is ide
 
 Phase order per step (``begin_step`` before the pipeline's forward/backward; ``phases`` after it):
   exchange_boundary_grads  receivers return dL/d(shared boundary params) to their owners
-  dp_sync                  per-step gradient averaging (all-reduce / PowerSGD) in the stage's DP group
+  dp_sync                  the DP scheme's per-step gradient average (all-reduce / PowerSGD) in the stage's DP group
   tied_sync                first and last stage exchange the tied-embedding gradients, both apply the sum
   clip_and_step            global-norm clip over the replica's stages, anchor priors, optimizer step
-  outer_steps              DiLoCo outer step / Streaming DiLoCo fragment posts and finishes
+  outer_steps              the DP scheme's work after the step (DiLoCo's outer step, Streaming DiLoCo's fragments)
   broadcast_boundary_params owners send the updated shared boundary params to the other end
   refresh_up / _average / _down   a boundary stage state's periodic refresh (the SSN basis), or its
                            per-step hook (``StageState`` in boundary/base.py)
 
-Every message is tagged with a typed tag (``comm/tags.py``); nothing here knows a boundary kind.
+Every message is tagged with a typed tag (``comm/tags.py``); nothing here knows a boundary kind or a DP
+scheme (``dp/scheme.py: DPScheme``, built by ``dp.kind``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from thinpipe.comm.payload import Payload
 from thinpipe.comm.protocols import Group, Transport
 from thinpipe.comm.tags import ParamGrads, Params, RefreshDown, RefreshUp, TiedGrad
 from thinpipe.comm.work import DONE
-from thinpipe.dp import DiLoCoState, PowerSGDState, allreduce_average, outer_step, powersgd_average
-from thinpipe.dp.streaming import StreamingState, fragment_deltas, fragment_sync, sync_start_steps
+from thinpipe.dp.allreduce import allreduce_average
+from thinpipe.dp.registry import build_scheme
 from thinpipe.optim import clip_coefficient, tensor_norms
 from thinpipe.optim.build import build_stage_optimizer
 from thinpipe.rank.worker import StageWorker
@@ -54,21 +55,15 @@ class StageRank:
             self.stage_state.after_step(stage)  # the invariant holds from the start (before any copy is taken)
         self.worker = StageWorker(stage, replica, in_boundary, out_boundary, transport, compute_dtype)
         self.optimizer = build_stage_optimizer(stage, cfg, self.index)
-        d, t = cfg.dp, cfg.train
-        compress = d.kind == "powersgd" or (d.kind in ("diloco", "streaming-diloco") and d.rank > 0 and not d.quantize)
-        self.psgd = (PowerSGDState(rank=d.rank or 4, start_step=d.start_step if d.kind == "powersgd" else 0,
-                                   seed=t.seed * 7 + self.index) if compress else None)
-        self.diloco = DiLoCoState(self.trained(), d.outer_lr, d.outer_momentum) if d.kind == "diloco" else None
-        self.streaming = (StreamingState(self.trained(), d.fragments, d.outer_lr, d.outer_momentum)
-                          if d.kind == "streaming-diloco" else None)
-        # Posted fragment syncs: (apply step, fragment, deltas, generator, its posted Work)
-        self.in_flight: list[tuple[int, int, dict, Generator, object]] = []
+        # the configured DP scheme (dp/scheme.py), bound to what trains here and this stage's DP group; its seed
+        # is equal on every replica of the stage and distinct per stage
+        self.dp_scheme = build_scheme(cfg.dp, self.trained, dp_group, replica, cfg.train.seed * 7 + self.index)
         self.tied_param = self._tied_param()
         self._refresh_total: Payload | None = None  # stage 0, during a refresh: the summed contributions
         self.last_grad_norm = 0.0
 
     def trained(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """(name, parameter) of what trains: DiLoCo's global copy and outer syncs cover only these
+        """(name, parameter) of what trains: a DP scheme's global copy and outer syncs cover only these
         (with LoRA, the adapters; a frozen base never moves, so syncing it would send zeros)."""
         return [(n, p) for n, p in self.stage.named_parameters() if p.requires_grad]
 
@@ -102,7 +97,7 @@ class StageRank:
     def phases(self, step: int, lr: float, prior_grads: list[dict], mix: float) -> list[Generator]:
         """This rank's phases of step ``step`` after its pipeline schedule, in order (module docstring).
         An engine runs the i-th phase of every rank before any rank's (i+1)-th."""
-        return [self.exchange_boundary_grads(), self.dp_sync(), self.tied_sync(),
+        return [self.exchange_boundary_grads(), self.dp_sync(step), self.tied_sync(),
                 self.clip_and_step(lr, prior_grads, mix), self.outer_steps(step), self.broadcast_boundary_params(),
                 self.refresh_up(step), self.refresh_average(step), self.refresh_down(step)]
 
@@ -115,15 +110,10 @@ class StageRank:
             self.out_boundary.owner_absorb_grads(self.transport.recv(ParamGrads(self.replica, self.out_boundary.index),
                                                                      self.out_boundary.param_expect()))
 
-    def dp_sync(self) -> Generator:
-        d, world = self.cfg.dp, self.dp_group.size
-        if d.kind not in ("allreduce", "powersgd") or world < 2:
-            return
+    def dp_sync(self, step: int) -> Generator:
+        """The DP scheme's per-step gradient average (or nothing), over every gradient of the stage."""
         grads = {n: p.grad for n, p in self.stage.named_parameters() if p.grad is not None}
-        if d.kind == "powersgd":
-            yield from powersgd_average(self.psgd, grads, self.dp_group, self.replica, world)
-        else:
-            yield from allreduce_average(grads, self.dp_group, self.replica, world)
+        yield from self.dp_scheme.sync_grads(step, grads)
 
     def tied_sync(self) -> Generator:
         p = self.tied_param
@@ -168,32 +158,8 @@ class StageRank:
                 p.grad.add_(grads[name], alpha=mix)
 
     def outer_steps(self, step: int) -> Generator:
-        d, world = self.cfg.dp, self.dp_group.size
-        if self.diloco is not None and (step + 1) % d.inner_steps == 0:
-            yield from outer_step(self.diloco, self.trained(), self.dp_group, self.replica, world,
-                                  self.psgd)
-        if self.streaming is None:
-            return
-        for f in sync_start_steps(step, d.inner_steps, d.fragments):
-            deltas = fragment_deltas(self.streaming, f, self.trained())
-            yield from self.post(step + d.overlap, f, deltas)
-        due = [x for x in self.in_flight if x[0] <= step]
-        self.in_flight = [x for x in self.in_flight if x[0] > step]
-        for _, _, _, gen, work in due:
-            yield work
-            yield from gen
-
-    def post(self, due: int, f: int, deltas: dict) -> Generator:
-        """Post a fragment's sync now (its first collective); it is finished at step ``due``."""
-        d = self.cfg.dp
-        gen = fragment_sync(self.streaming, f, deltas, self.trained(), self.dp_group, self.replica,
-                            self.dp_group.size, d.alpha, d.quantize, self.psgd)
-        try:
-            work = next(gen)
-        except StopIteration:
-            return
-        self.in_flight.append((due, f, deltas, gen, work))
-        yield DONE  # let the other members post the same collective before anyone posts the next
+        """The DP scheme's work after the optimizer step (DiLoCo's outer step, Streaming DiLoCo's fragments)."""
+        yield from self.dp_scheme.after_step(step)
 
     def broadcast_boundary_params(self) -> Generator:
         if self.out_boundary is not None and self.out_boundary.has_shared_params:
@@ -250,20 +216,12 @@ class StageRank:
 
     # -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
+        # the DP scheme's keys sit beside the stage's and the optimizer's (checkpoints of every version load)
         return {"stage": self.stage.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "psgd": self.psgd.state_dict() if self.psgd else None,
-                "diloco": self.diloco.state_dict() if self.diloco else None,
-                "streaming": self.streaming.state_dict() if self.streaming else None,
-                # a posted sync is saved as its inputs (the collective is re-posted on load)
-                "in_flight": [(due, f, deltas) for due, f, deltas, _, _ in self.in_flight]}
+                **self.dp_scheme.state_dict()}
 
     def load_state_dict(self, state: dict) -> Generator:
-        """Restore; re-posting the in-flight syncs is a phase (it talks to the DP group)."""
+        """Restore; the DP scheme re-posts the syncs it saved in flight, a phase (it talks to the DP group)."""
         self.stage.load_state_dict(state["stage"])
         self.optimizer.load_state_dict(state["optimizer"])
-        for obj, key in ((self.psgd, "psgd"), (self.diloco, "diloco"), (self.streaming, "streaming")):
-            if obj is not None and state.get(key) is not None:
-                obj.load_state_dict(state[key])
-        self.in_flight = []
-        for due, f, deltas in state.get("in_flight", []):
-            yield from self.post(due, f, deltas)
+        yield from self.dp_scheme.load_state_dict(state)

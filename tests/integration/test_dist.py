@@ -1,0 +1,432 @@
+"""Real processes (torchrun, gloo) == the single-process simulation: losses, held-out loss, bytes.
+
+Each case trains a tiny model both ways with identical arguments; the distributed run's per-step
+training loss, final held-out loss and metered bytes per axis must equal the simulation's bitwise
+(same operations in the same order on every rank)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.helpers import assert_same_run_files
+from thinpipe.checkpoint import load_part, sets
+from thinpipe.cli import main
+
+BASE = ["--set", "data.name=synthetic", "--set", "train.steps=3", "--set", "train.batch_size=2",
+        "--set", "train.seq_len=32", "--set", "train.microbatches=2", "--set", "train.lr=1e-3",
+        "--set", "train.checkpoint_every=0"]
+CASES = {
+    "mask + PowerSGD, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                                                   "--set", "mesh.dp=2", "--set", "boundary.kind=mask",
+                                                   "--set", "dp.kind=powersgd", "--set", "dp.start_step=1"]),
+    "MAPL-VQ, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=mapl-vq",
+                              "--set", "boundary.rank=16", "--set", "boundary.vq_codes=32",
+                              "--set", "boundary.vq_sync_codes=4"]),
+    "tied Qwen2 + Streaming DiLoCo in flight, GPipe": (4, ["--set", "model.name=tiny-qwen2", "--set", "mesh.pp=2",
+                                                           "--set", "mesh.dp=2", "--set", "dp.kind=streaming-diloco",
+                                                           "--set", "dp.inner_steps=2", "--set", "dp.fragments=2",
+                                                           "--set", "dp.overlap=1", "--set", "train.steps=5",
+                                                           "--set", "train.schedule=gpipe"]),
+    # The anchor row: 2 fast replicas x 2 stages + 1 anchor replica; priors every step, due 2 later,
+    # pushed as PowerSGD factors; masking + spectral correction + PowerSGD DP.
+    "mask + AP + PowerSGD, 2 x 2 + anchor row": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                                                    "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
+                                                    "--set", "boundary.kind=mask", "--set", "dp.kind=powersgd",
+                                                    "--set", "dp.start_step=1", "--set", "anchor.staleness=2",
+                                                    "--set", "anchor.every=1", "--set", "anchor.push_rank=2",
+                                                    "--set", "train.steps=6"]),
+    # AQ-SGD's per-example buffers at both ends of two boundaries: 2 rows, so steps 2-5 revisit them.
+    "AQ-SGD over revisited rows, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
+                                                 "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
+                                                 "--set", "train.steps=5"]),
+    # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles forward on issue 26's
+    # Lloyd-Max grid, a token-sparse 1-bit backward (the receiver's bitmap of the kept tokens crosses with
+    # their codes).
+    "outlier channels + Lloyd-Max + token-sparse backward, 2 replicas x 3 stages": (6, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
+        "--set", "boundary.outlier_channels=4", "--set", "boundary.quant_group=16",
+        "--set", "boundary.outlier_grid=lloyd-max", "--set", "boundary.outlier_bwd_scale_group=-1",
+        "--set", "boundary.bwd_bits=1", "--set", "boundary.outlier_bwd_tokens=0.5"]),
+    # Issue 36's KLT codec: the basis fitted by replica 0's sender, broadcast (metered on pp_params) to both
+    # ends of every replica; loss tokens 3 bits/dim, the others 1 (payload shapes follow the labels); at step 2
+    # both ends of each replica refit the basis and fit the gradient's own from the decoded data they hold.
+    "KLT, loss/context bits, refresh, 2 replicas x 2 stages": (4, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "boundary.kind=klt",
+        "--set", "boundary.quant_group=16", "--set", "boundary.klt_bits=3", "--set", "boundary.klt_context_bits=1",
+        "--set", "boundary.klt_refresh_every=2", "--set", "train.steps=4"]),
+    # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
+    # also a checkpoint and a held-out loss every 2 steps (the rows' val_loss, the checkpoint mid-run)
+    "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                                              "--set", "mesh.dp=2", "--set", "boundary.kind=bottleneck",
+                                              "--set", "boundary.p=0.75", "--set", "train.steps=4",
+                                              "--set", "train.checkpoint_every=2", "--set", "eval.every=2",
+                                              "--set", "train.keep_checkpoints=1"]),
+    # LoRA: the anchor row pulls and pushes adapters only; DiLoCo syncs adapters only.
+    "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row": (6, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
+                                                         "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
+                                                         "--set", "boundary.kind=mask", "--set", "dp.kind=diloco",
+                                                         "--set", "dp.inner_steps=2", "--set", "anchor.staleness=2",
+                                                         "--set", "anchor.every=1", "--set", "train.lora.rank=4",
+                                                         "--set", "train.steps=5"]),
+    # (MAPL-VQ has no anchor circuit: its boundary is part of the model, so there is no dense pass.)
+    "top-K + AP + DiLoCo, dense push, 2 x 2 + anchor row": (6, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "mesh.anchor=1",
+        "--set", "boundary.kind=topk", "--set", "dp.kind=diloco", "--set", "dp.inner_steps=2",
+        "--set", "anchor.staleness=2", "--set", "train.steps=7"]),
+}
+
+
+def launch(nproc: int, out, args: list[str], *extra: str, **env_extra: str):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
+    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train",
+                           "--out", str(out), "--quiet", *args, *extra], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def results(folder):
+    s = json.loads((folder / "summary.json").read_text())
+    losses = [json.loads(x)["loss"] for x in (folder / "metrics.jsonl").read_text().splitlines()]
+    anchor = {k: s.get(k) for k in ("priors_consumed", "anchor_staleness_mean", "anchor_staleness_max")}
+    return losses, s["final_val_loss"], {k: v for k, v in s.items() if k.endswith("_bytes")}, anchor
+
+
+@pytest.fixture
+def one_thread():
+    """The ranks run with OMP_NUM_THREADS=1; the simulation must split its reductions (LAPACK's SVD
+    in the spectral filter, say) the same way to agree bitwise."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(CASES))
+def test_dist_equals_sim(case, tmp_path, one_thread):
+    nproc, args = CASES[case]
+    sim, dist_out = tmp_path / "sim", tmp_path / "dist"
+    assert main(["train", "--out", str(sim), "--quiet", *BASE, *args]) == 0
+    r = launch(nproc, dist_out, [*BASE, *args])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(dist_out) == results(sim)
+    if "anchor row" not in case:
+        # every field of every row and of the summary, but wall-clock ones. (With an anchor row, a row's
+        # anchor_bytes counts the pushes that have arrived by then, asynchronous in dist: totals equal above.)
+        assert_same_run_files(sim, dist_out)
+    # every rank, the anchor's too, holds its part of the final set (and only of it: keep_checkpoints)
+    assert sorted(p.name for p in (dist_out / "checkpoint").glob("*/*.sha256")) == \
+        [f"rank{r}.sha256" for r in range(nproc)]
+
+
+@pytest.mark.slow
+def test_anchor_priors_change_the_trajectory_in_the_equivalence_case(tmp_path):
+    """The anchor case above is not vacuous: priors are consumed, and without their share of the
+    update (alpha = 1: the inner optimizer alone) the same run takes another trajectory."""
+    nproc, args = CASES["mask + AP + PowerSGD, 2 x 2 + anchor row"]
+    assert main(["train", "--out", str(tmp_path / "a"), "--quiet", *BASE, *args]) == 0
+    assert main(["train", "--out", str(tmp_path / "b"), "--quiet", *BASE, *args,
+                 "--set", "optim.spectral.alpha=1"]) == 0
+    a, b = results(tmp_path / "a"), results(tmp_path / "b")
+    assert a[3]["priors_consumed"] == 4 and a[3]["anchor_staleness_max"] == 2
+    assert a[0][:3] == b[0][:3] and a[0][3:] != b[0][3:]  # the first prior is consumed at step 2
+
+
+@pytest.mark.dist
+def test_anchor_arrival_delivery_and_a_failing_anchor(tmp_path):
+    """``arrival``: priors are consumed when they have arrived (realised staleness reported); an
+    anchor rank that fails mid-run is reported and the fast circuit finishes without it."""
+    nproc, args = CASES["mask + AP + PowerSGD, 2 x 2 + anchor row"]
+    args = [*BASE, *args, "--set", "anchor.delivery=arrival", "--set", "train.steps=12"]
+    r = launch(nproc, tmp_path / "ok", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "ok" / "summary.json").read_text())
+    assert s["anchor_delivery"] == "arrival" and not s["anchor_failed"] and s["priors_consumed"] >= 1
+    assert 0 <= s["anchor_staleness_mean"] <= s["anchor_staleness_max"] < 12 and s["anchor_bytes"] > 0
+    r = launch(nproc, tmp_path / "fail", args, THINPIPE_FAULT_ANCHOR_AT_CYCLE="1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((tmp_path / "fail" / "summary.json").read_text())
+    assert s["anchor_failed"] and s["steps"] == 12
+    assert "injected anchor fault" in r.stderr and "continues without anchor priors" in r.stderr
+
+
+def test_wrong_process_count_is_a_clear_error(tmp_path):
+    r = launch(3, tmp_path / "x", [*BASE, *CASES["mask + PowerSGD, 2 replicas x 2 stages"][1]])
+    assert r.returncode != 0 and "needs 4 processes, but 3 were started" in r.stderr
+
+
+class LiveJob:
+    """A training job of one of CASES started by `thinpipe launch` (by default 4 ranks, running
+    until killed).
+
+    Nothing here blocks without a deadline: a thread collects the output, and every process of the
+    job (torchrun starts each rank in its own session) is remembered and killed at the end."""
+
+    def __init__(self, tmp_path, case="mask + PowerSGD, 2 replicas x 2 stages", steps=100000, *extra):
+        import psutil
+
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.nproc, case_args = CASES[case]
+        self.folder = tmp_path / "f"
+        args = [sys.executable, "-m", "thinpipe", "launch", "--nproc", str(self.nproc), "--", "train", "--out",
+                str(self.folder), *BASE, *case_args, "--set", f"train.steps={steps}", *extra]
+        self.proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.out: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.job = psutil.Process(self.proc.pid)
+        self.everyone: set = set()
+
+    def _read(self):
+        for line in iter(self.proc.stdout.readline, ""):
+            self.out.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.out)
+
+    def ranks(self):
+        """The rank processes (children of the launcher) and the launcher itself."""
+        kids = self.job.children(recursive=True)
+        self.everyone.update(kids)
+        return kids, [self.job]
+
+    def wait_until_training(self, timeout_s=180):
+        deadline = time.time() + timeout_s
+        while self.text.count("[thinpipe rank") < self.nproc:
+            assert self.proc.poll() is None, "the job ended before every rank started:\n" + self.text[-3000:]
+            assert time.time() < deadline, (f"not every rank started within {timeout_s} s:\n"
+                                            + self.text[:1500] + "\n...\n" + self.text[-1500:])
+            time.sleep(0.2)
+        time.sleep(3)
+        ranks, agent = self.ranks()
+        assert len(ranks) == self.nproc and len(agent) == 1, [k.cmdline() for k in ranks + agent]
+        return ranks, agent[0]
+
+    def survivors(self, timeout_s=60):
+        """Wait until every process of the job is gone (or timeout_s passed); return those left."""
+        import psutil
+
+        deadline = time.time() + timeout_s
+        while True:
+            left = [p for p in self.everyone if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not left or time.time() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def kill_all(self):
+        import psutil
+
+        for p in [*self.everyone, self.job]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self.reader.join(timeout=10)
+
+
+@pytest.mark.dist
+def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
+    """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
+    dead rank (the launcher's root cause, with its role) and every rank's role (start-up lines)."""
+    job = LiveJob(tmp_path)
+    try:
+        ranks, _ = job.wait_until_training()
+        t0 = time.time()
+        os.kill(max(r.pid for r in ranks), signal.SIGKILL)
+        try:
+            job.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        left = job.survivors(timeout_s=max(1.0, 60 - (time.time() - t0)))
+        elapsed = time.time() - t0
+    finally:
+        job.kill_all()
+    assert job.proc.returncode not in (None, 0) and not left and elapsed < 60, (left, job.text[-3000:])
+    assert "Root Cause" in job.text and "SIGKILL" in job.text
+    assert "stage 1" in job.text and "fast replica" in job.text
+
+
+@pytest.mark.dist
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
+    """kill -9 the launcher (as a lost node's torchrun agent would die): its ranks, each in its own
+    session, notice and exit within seconds instead of training on as orphans."""
+    job = LiveJob(tmp_path)
+    try:
+        _, agent = job.wait_until_training()
+        t0 = time.time()
+        agent.kill()
+        left = job.survivors(timeout_s=30)
+        elapsed = time.time() - t0
+    finally:
+        job.kill_all()
+    assert not left, f"ranks still running {elapsed:.0f} s after their launcher died: {left}"
+    assert "its launcher" in job.text and "is gone" in job.text
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["tied Qwen2 + Streaming DiLoCo in flight, GPipe", "MAPL-VQ, 3 stages"])
+def test_crash_and_resume_from_per_rank_checkpoints_continues_the_same_run(case, tmp_path):
+    nproc, args = CASES[case]
+    args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert launch(nproc, full, args).returncode == 0
+    crashed = launch(nproc, part, args, THINPIPE_FAULT_AT_STEP="4")
+    assert crashed.returncode != 0 and "injected fault at step 4" in crashed.stderr
+    r = launch(nproc, part, args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(part) == results(full)
+
+
+@pytest.mark.dist
+def test_a_crash_while_checkpointing_resumes_from_the_previous_complete_checkpoint(tmp_path):
+    nproc, args = CASES["mask + PowerSGD, 2 replicas x 2 stages"]
+    args = [*BASE, *args, "--set", "train.steps=6", "--set", "train.checkpoint_every=2",
+            "--set", "train.keep_checkpoints=1"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert launch(nproc, full, args).returncode == 0
+    crashed = launch(nproc, part, args, THINPIPE_FAULT_AT_CHECKPOINT="4")  # the last rank dies after writing step 4
+    assert crashed.returncode != 0
+    # no rank dropped step 2's part: that waits until every rank has written step 4's (the barrier)
+    assert [s for s, _ in sets(part / "checkpoint")][-1] == 2
+    r = launch(nproc, part, args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(part) == results(full)
+
+
+@pytest.mark.dist
+def test_a_run_with_an_anchor_circuit_killed_mid_way_resumes_bitwise(tmp_path):
+    """Issue 16: at the checkpoint of step 3 the priors of pulls 1 and 2 are in flight (due at 3 and
+    4); the fast ranks hold them, the anchor ranks their data position and PowerSGD push state, so the
+    resumed run equals the uninterrupted one in every loss, byte and staleness."""
+    nproc, args = CASES["mask + AP + PowerSGD, 2 x 2 + anchor row"]
+    args = [*BASE, *args, "--set", "train.steps=7", "--set", "train.checkpoint_every=3"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert launch(nproc, full, args).returncode == 0
+    crashed = launch(nproc, part, args, THINPIPE_FAULT_AT_STEP="4")
+    assert crashed.returncode != 0 and "injected fault at step 4" in crashed.stderr
+    assert sorted(p.name for p in (part / "checkpoint" / "step00000003").glob("*.sha256")) == \
+        [f"rank{r}.sha256" for r in range(nproc)]
+    ready = load_part(part / "checkpoint" / "step00000003", "rank0")["anchor"]["ready"]
+    assert [p for p, _ in ready] == [1, 2]  # produced at steps 1 and 2, not yet consumed
+    r = launch(nproc, part, args, "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(part) == results(full)
+    assert results(full)[3]["priors_consumed"] == 5
+
+
+@pytest.mark.dist
+def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
+    """SIGINT (Ctrl-C) to `thinpipe launch`: it stops every rank (each in its own session, so the
+    terminal's signal reaches only the launcher), says so, and exits with 130."""
+    job = LiveJob(tmp_path)
+    try:
+        job.wait_until_training()
+        job.proc.send_signal(signal.SIGINT)
+        job.proc.wait(timeout=60)
+        left = job.survivors(timeout_s=30)
+    finally:
+        job.kill_all()
+    assert job.proc.returncode == 130 and not left, (left, job.text[-2000:])
+    assert "interrupted: stopping every rank" in job.text
+
+
+@pytest.mark.dist
+def test_a_killed_anchor_rank_leaves_the_fast_circuit_finishing(tmp_path):
+    """kill -9 an anchor rank mid-run (``arrival`` delivery): the launcher warns instead of stopping
+    the job, the fast ranks notice the broken link, and the run finishes with anchor_failed set."""
+    job = LiveJob(tmp_path, "mask + AP + PowerSGD, 2 x 2 + anchor row", 400, "--set", "anchor.delivery=arrival")
+    try:
+        ranks, _ = job.wait_until_training()
+        anchor = max(ranks, key=lambda r: int(r.environ()["RANK"]))  # rank 5: the anchor's stage 1
+        anchor.kill()
+        job.proc.wait(timeout=240)
+    finally:
+        job.kill_all()
+    assert job.proc.returncode == 0, job.text[-3000:]
+    s = json.loads((job.folder / "summary.json").read_text())
+    assert s["steps"] == 400 and s["anchor_failed"], job.text[-3000:]
+    assert "anchor rank 5 (stage 1) died with signal SIGKILL" in job.text
+    assert "continues without anchor priors" in job.text
+
+
+def _netns_available() -> bool:
+    import shutil
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return False
+    probe = f"tpprobe{os.getpid()}"  # per process: parallel test workers probe at the same time
+    ok = subprocess.run(["ip", "netns", "add", probe], capture_output=True).returncode == 0
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return ok
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
+def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_result(tmp_path, one_thread):
+    """`launch --netns`: each rank in its own namespace, the PP link shaped by tc at 1 Mbit/s. The
+    run equals the simulation bitwise, takes at least the link's transfer time per direction, and
+    leaves no namespace behind."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "train.seq_len=64",
+            "--set", "link.pp_mbps=1"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", "2", "--netns", "--", "train", "--out",
+                        str(tmp_path / "ns"), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(tmp_path / "ns") == results(tmp_path / "sim")
+    s = json.loads((tmp_path / "ns" / "summary.json").read_text())
+    one_direction_s = max(s["pp_fwd_bytes"], s["pp_bwd_bytes"]) * 8 / 1e6
+    assert s["wall_s"] >= 0.9 * one_direction_s, (s["wall_s"], one_direction_s)
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+@pytest.mark.dist
+@pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
+def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
+    before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_FAULT_AT_STEP": "1"}
+    r = subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", "2", "--netns", "--", "train", "--out",
+                        str(tmp_path / "ns"), "--quiet", *BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=2"],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "Root Cause: rank" in r.stderr and "fast replica 0" in r.stderr
+    assert subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout == before
+
+
+@pytest.mark.dist
+def test_mapl_pca_start_in_dist_equals_the_simulation(tmp_path, one_thread):
+    """The PCA start across ranks (residuals at each sender, SVD, broadcast) gives the simulation's
+    projectors: the whole run agrees bitwise."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2",
+            "--set", "boundary.kind=mapl", "--set", "boundary.rank=16", "--set", "boundary.init=pca",
+            "--set", "boundary.pca_batches=2"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    r = launch(6, tmp_path / "dist", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert results(tmp_path / "dist") == results(tmp_path / "sim")
+    random = tmp_path / "random"
+    assert main(["train", "--out", str(random), "--quiet", *args, "--set", "boundary.init=random"]) == 0
+    assert results(random)[0][0] != results(tmp_path / "sim")[0][0]  # the start matters
+
+
+@pytest.mark.dist
+def test_ssn_basis_refresh_in_dist_matches_the_simulation(tmp_path, one_thread):
+    """SSN with Grassmann refreshes on 2 replicas x 3 stages: bytes equal exactly; losses agree to
+    1e-5 relative (dL/dU is summed up the pipeline, not in autograd's order)."""
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2",
+            "--set", "boundary.kind=ssn", "--set", "boundary.rank=16", "--set", "boundary.ssn_refresh_every=2",
+            "--set", "boundary.ssn_refresh_lr=0.5", "--set", "train.steps=5"]
+    assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *args]) == 0
+    r = launch(6, tmp_path / "dist", args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    (dl, dv, db, _), (sl, sv, sb, _) = results(tmp_path / "dist"), results(tmp_path / "sim")
+    assert db == sb and db["pp_params_bytes"] == 2 * 2 * 2 * 2 * 64 * 16 * 4  # 2 refreshes x dp x 2(pp-1) x U
+    assert dl == pytest.approx(sl, rel=1e-5) and dv == pytest.approx(sv, rel=1e-5)
