@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from thinpipe.comm import drive_lockstep as drive  # noqa: F401  (re-exported for tests)
+from thinpipe.comm.inprocess import drive_lockstep as drive  # noqa: F401  (re-exported for tests)
 from thinpipe.config import Config, apply_overrides
 from thinpipe.models.presets import tiny_config
 

@@ -287,9 +287,9 @@ def sets(root: Path) -> list[tuple[int, Path]]:
     return sorted(out, reverse=True)
 
 
-def latest_complete(root: Path, part: str, warn=None) -> tuple[int, object] | None:
-    """(step, state) of the newest set whose part ``part`` verifies; an older set is used when a
-    newer one does not (``warn`` gets one line saying why). None: no set at all."""
+def latest_complete(root: Path, part: str, warn=None) -> tuple[int, dict] | None:
+    """(step, state: the dict the part was saved from) of the newest set whose part ``part`` verifies; an
+    older set is used when a newer one does not (``warn`` gets one line saying why). None: no set at all."""
     errors = []
     for step, folder in sets(root):
         try:

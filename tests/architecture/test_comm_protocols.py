@@ -15,10 +15,12 @@ import torch
 import torch.distributed as dist
 
 from thinpipe.anchor.codec import _Recorder
-from thinpipe.comm import ByteMeter, InProcessGroup, LocalGroup, Mailbox, inprocess
+from thinpipe.comm import inprocess
 from thinpipe.comm.dist_group import DistGroup, _Timed
 from thinpipe.comm.dist_transport import DistTransport
+from thinpipe.comm.inprocess import InProcessGroup, LocalGroup, Mailbox
 from thinpipe.comm.managed import ManagedGroup
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.protocols import Group, Transport, Work
 from thinpipe.comm.staging import StagedWork
 from thinpipe.comm.work import DONE, Done

@@ -155,7 +155,7 @@ def test_demo_quick_runs_all_arms(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_eval_command_on_a_run_folder(tmp_path, capsys):
-    from thinpipe.eval import WheelUnavailable  # the task data comes from a cached wheel
+    from thinpipe.eval.wheels import WheelUnavailable  # the task data comes from a cached wheel
 
     out = tmp_path / "run"
     assert main(["train", "--out", str(out), "--quiet", *TINY, "--set", "train.steps=1"]) == 0
@@ -195,3 +195,12 @@ def test_every_command_module_is_registered_with_the_command_shape():
     for c in COMMANDS:
         assert isinstance(c.HELP, str) and c.HELP and callable(c.add_arguments) and callable(c.run), c.__name__
     assert len({c.NAME for c in COMMANDS}) == len(COMMANDS)
+
+
+def test_the_cli_and_the_launcher_import_no_torch():
+    """`thinpipe --help` and `thinpipe launch` (which starts the ranks and waits) never import torch: every launch
+    would pay its import (seconds of CPU) for nothing, and --help would be slow (comm/ and eval/ re-export nothing)."""
+    code = "import sys, thinpipe.cli, thinpipe.commands.launch; print(sorted(m for m in ('torch', 'transformers') " \
+           "if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

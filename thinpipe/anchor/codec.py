@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.comm import LocalGroup, drive_lockstep
 from thinpipe.comm.header import Expect
+from thinpipe.comm.inprocess import LocalGroup, drive_lockstep
 from thinpipe.dp.powersgd import PowerSGDState, factorized, orthonormalize, powersgd_average
 
 

@@ -48,8 +48,8 @@ import torch
 from thinpipe.anchor.anchor_pass import run_anchor_pass
 from thinpipe.anchor.codec import encode_push, load_pull, trained, wire_expect
 from thinpipe.checkpoint import load_part, prune, save_part, step_dir
-from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.header import Expect
+from thinpipe.comm.meter import AXES, ByteMeter
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import AnchorCycle, Pull, Push
 from thinpipe.console import say

@@ -11,10 +11,10 @@ import torch
 from thinpipe.anchor.dist_rank import AnchorStageRank
 from thinpipe.anchor.feed import AnchorFeed
 from thinpipe.boundary import Boundary
-from thinpipe.comm import ByteMeter
 from thinpipe.comm.dist_group import DistGroup
 from thinpipe.comm.dist_transport import DistTransport, job_wire
 from thinpipe.comm.groups import ProcessGroups
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config
 from thinpipe.config.env import dist_timeout_s

@@ -13,7 +13,7 @@ import torch
 from thinpipe.anchor.anchor_pass import staleness_stats
 from thinpipe.anchor.codec import decode_push, encode_pull, trained, wire_expect
 from thinpipe.anchor.dist_rank import CHECKPOINT, ROLLBACK, STOP, step_of
-from thinpipe.comm import AXES, ByteMeter
+from thinpipe.comm.meter import AXES, ByteMeter
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import Pull, Push
 from thinpipe.console import say

@@ -41,7 +41,7 @@ def row_keys(input_ids: torch.Tensor) -> list[str]:
 class AqsgdBoundary(QuantBoundary):
     forward_state = True  # its forward updates its state (base.py)
 
-    def __init__(self, *args, **kw):
+    def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
         self.sent: dict[str, torch.Tensor] = {}
         self.received: dict[str, torch.Tensor] = {}

@@ -59,8 +59,6 @@ fitted 2 w(grad) K + sum_k ceil(K n_k(grad) k / 8) + the bitmap (``expected_byte
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from thinpipe.boundary.base import Payload, implements
@@ -73,9 +71,11 @@ from thinpipe.boundary.transform_code import (
     allocate_bits,
     code,
     codes_bytes,
+    dtype_bytes,
     fit_moments,
     int8_columns,
     loss_tokens,
+    spec_bytes,
     uncode,
     widths,
 )
@@ -83,26 +83,15 @@ from thinpipe.comm.header import Expect, PayloadError
 from thinpipe.config.boundary_kinds import KltKind
 
 CLASSES = ("loss", "context")
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 SCALES = ("width", "token")
 
 
 @implements(KltKind)
 class KltBoundary(OutlierBoundary):
     RESIZED = ("basis", "std", "bits_loss", "bits_context", "gbasis", "gstd", "gbits")
-    # the buffers (registered in __init__; the refresh's only with refresh_every > 0), typed for the checker
+    # buffers the typed methods use (registered in __init__; the refresh's with refresh_every > 0), for the checker
     mean: torch.Tensor
-    basis: torch.Tensor
-    std: torch.Tensor
-    bits_loss: torch.Tensor
-    bits_context: torch.Tensor
     grad_klt: torch.Tensor
-    gbasis: torch.Tensor
-    gstd: torch.Tensor
-    gbits: torch.Tensor
     fwd_sum: torch.Tensor
     fwd_sq: torch.Tensor
     fwd_n: torch.Tensor
@@ -158,7 +147,7 @@ class KltBoundary(OutlierBoundary):
             self.register_buffer("fwd_n", torch.zeros((), dtype=torch.float64))
             self.register_buffer("bwd_sq", torch.zeros(d, d, dtype=torch.float64))
             self.register_buffer("bwd_n", torch.zeros((), dtype=torch.float64))
-        self._step: int = -1
+        self._step = -1
         self._seen: set[tuple[int, str]] = set()  # (microbatch, direction) added to the moments this step
 
     # the start: the basis and tables, fitted by the owner, loaded by every copy ---------------------
@@ -341,8 +330,7 @@ class KltBoundary(OutlierBoundary):
 
     # what crosses ------------------------------------------------------------------------------
     def _fwd_spec(self, counts: dict[str, int]) -> dict:
-        spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
-            "intact": ((sum(counts.values()), self.channels.numel()), BASIS_DTYPE)}
+        spec: dict[str, tuple] = {"intact": ((sum(counts.values()), self.channels.numel()), BASIS_DTYPE)}
         for c in CLASSES:
             spec[f"{c}_scale"] = ((counts[c], self._scales(getattr(self, f"bits_{c}"))), SCALE_DTYPE)
             spec[f"{c}_codes"] = ((codes_bytes(counts[c], getattr(self, f"bits_{c}")),), torch.uint8)
@@ -381,15 +369,11 @@ class KltBoundary(OutlierBoundary):
         bound = max(self._fwd_bytes(tokens, 0), self._fwd_bytes(0, tokens))
         return Expect(max_bytes=bound, dtypes=frozenset({SCALE_DTYPE, torch.uint8}))
 
-    @staticmethod
-    def _spec_bytes(spec: dict) -> int:
-        return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in spec.values())
-
     def _fwd_bytes(self, loss: int, context: int) -> int:
-        return self._spec_bytes(self._fwd_spec({"loss": loss, "context": context}))
+        return spec_bytes(self._fwd_spec({"loss": loss, "context": context}))
 
     def _bwd_bytes(self, tokens: int, element_size: int) -> int:
-        return self._spec_bytes(self._bwd_spec(tokens)) if self._grad_klt() else \
+        return spec_bytes(self._bwd_spec(tokens)) if self._grad_klt() else \
             super().expected_bytes(tokens, element_size)[1]
 
     def expected_bytes(self, tokens, element_size, loss_tokens: int | None = None):
@@ -406,6 +390,6 @@ class KltBoundary(OutlierBoundary):
         scale per token, and the C intact channels; the backward as coded. What it leaves out ``thinpipe probe``
         measures: a batch's prompt tokens cost ``context_bits`` instead, a table of several widths has a scale
         per width (``klt.scale = width``: up to 7 more per token), and the start's basis crosses once per run."""
-        per_token = self.channels.numel() * _size(BASIS_DTYPE) + _size(SCALE_DTYPE) + self.loss_bits * \
+        per_token = self.channels.numel() * dtype_bytes(BASIS_DTYPE) + dtype_bytes(SCALE_DTYPE) + self.loss_bits * \
             self.hidden_size / 8
         return tokens * per_token, self.expected_bytes(tokens, element_size)[1]

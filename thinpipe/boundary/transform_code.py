@@ -11,6 +11,7 @@ allocation is optimal for convex distortion curves); Max 1960 (the Lloyd-Max gri
 from __future__ import annotations
 
 import heapq
+import math
 
 import torch
 
@@ -105,6 +106,15 @@ def uncode(scale: torch.Tensor, codes: torch.Tensor, bits: torch.Tensor) -> torc
 
 def codes_bytes(rows: int, bits: torch.Tensor) -> int:
     return sum(packed_bytes(rows * cols.numel(), k) for k, cols in widths(bits))
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def spec_bytes(spec: dict) -> int:
+    """The bytes of a payload spec (name: (shape, dtype))."""
+    return sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in spec.values())
 
 
 def loss_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,5 @@
-"""The narrow communication interface algorithms talk to (never torch.distributed directly): ``protocols.py``."""
+"""The narrow communication interface algorithms talk to (never torch.distributed directly): ``protocols.py``.
 
-from thinpipe.comm.inprocess import InProcessGroup, LocalGroup, Mailbox, Work, drive_lockstep
-from thinpipe.comm.meter import AXES, ByteMeter
-
-__all__ = ["AXES", "ByteMeter", "InProcessGroup", "LocalGroup", "Mailbox", "Work", "drive_lockstep"]
+The package itself imports nothing: ``thinpipe launch`` (which needs ``netns``, ``bind``) and ``thinpipe --help``
+stay free of torch; import what you use from its module (``comm/inprocess.py``, ``comm/meter.py``, ...).
+"""

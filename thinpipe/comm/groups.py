@@ -22,10 +22,10 @@ ANCHOR_TIMEOUT_S = 24 * 3600
 class ProcessGroups:
     dp: tuple        # per stage: that stage's ranks of every fast replica (DP syncs)
     pp: tuple        # per row (fast replicas, then the anchor's): its stages (clip norms)
-    fast: object     # every fast rank: losses, held-out loss, checkpoints (never the anchor's ranks)
+    fast: dist.ProcessGroup  # every fast rank: losses, held-out loss, checkpoints (never the anchor's ranks)
     pull: tuple      # per stage, with an anchor: {fast replica 0's stage s, anchor stage s}
     push: tuple      # per stage, with an anchor: {every fast replica's stage s, anchor stage s}
-    anchor_row: object | None  # the anchor replica's stages
+    anchor_row: dist.ProcessGroup | None  # the anchor replica's stages
 
     @staticmethod
     def build(layout: MeshLayout) -> ProcessGroups:

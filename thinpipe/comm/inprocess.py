@@ -86,7 +86,8 @@ class InProcessGroup(protocols.Group):
         key = ("gather", rank)
         if key in self._gather:
             raise RuntimeError(f"rank {rank} posted twice to the same all-gather")
-        work, out = Work(), []  # type: tuple[Work, list[torch.Tensor]]
+        work = Work()
+        out: list[torch.Tensor] = []
         self._gather[key] = (tensor.clone(), work, out)
         if self.axis is not None:
             self.meter.add(self.axis, (self.size - 1) * tensor.numel() * tensor.element_size())

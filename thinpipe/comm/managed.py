@@ -36,8 +36,10 @@ class ManagedGroup(DistGroup):
         self.rate_mbps, self.latency_ms = rate_mbps, latency_ms
         self._free_at = 0.0
 
+    # read-only where DistGroup's is a plain attribute: nothing assigns a group's size after construction (the
+    # Group protocol's ``size`` is read by the DP averages), and the quorum's size is the manager's to change
     @property
-    def size(self) -> int:
+    def size(self) -> int:  # type: ignore[override]
         """Replicas in the current quorum (valid once the step's quorum is formed)."""
         return max(1, self.manager.num_participants())
 

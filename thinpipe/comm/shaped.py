@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar, cast
 
+from thinpipe.config.mesh import LinkConfig
 from thinpipe.console import say
 
 
@@ -136,7 +137,7 @@ class MeshLinks:
     one per peer on the anchor's pull and push links (they cross between rows: shaped like DP links).
     With kernel shaping (``thinpipe launch --netns``) tc enforces the rates; only the latency stays."""
 
-    def __init__(self, lk):
+    def __init__(self, lk: LinkConfig) -> None:
         """``lk``: the config's ``link`` section."""
         self.pp_mbps, self.dp_mbps = (0.0, 0.0) if lk.shaper == "kernel" else (lk.pp_mbps, lk.dp_mbps)
         self.pp_latency_ms, self.dp_latency_ms = lk.pp_latency_ms, lk.dp_latency_ms

@@ -35,7 +35,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from thinpipe.comm.header import HEADER_BYTES
 from thinpipe.comm.netns import KERNEL_BURST_BYTES
 from thinpipe.config import ConfigError
 from thinpipe.jsonl import read_rows
@@ -102,6 +101,8 @@ def predict_step_s(t0_s: float, shaped: dict, cfg: dict, pp_mbps: float, dp_mbps
                    burst_bytes: float = 0.0) -> float:
     """The shaped step time from the calibration run's (see the module docstring); ``burst_bytes``:
     the links' token-bucket depth (the kernel shaper's, with ``--netns``; the transport's is 0)."""
+    from thinpipe.comm.header import HEADER_BYTES  # here: the header imports torch; `thinpipe --help` does not
+
     K, M = cfg["mesh.pp"], cfg["train.microbatches"]
     f_plus_b = t0_s / (M + K - 1)
     tokens = shaped["tokens"] / shaped["steps"]  # per step, all fast replicas

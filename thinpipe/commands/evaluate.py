@@ -93,8 +93,8 @@ def run(args) -> int:
     # the harness runs on thinpipe's stages: a model alone becomes a one-stage mesh
     logits_fn, tokenizer, generate_batch, mesh, model_config = _eval_model(
         args.model, args.device, args.set, need_mesh=texts is not None or harness is not None)
-    from thinpipe.eval import evaluate_mc
     from thinpipe.eval.generative import evaluate_generative
+    from thinpipe.eval.multiple_choice import evaluate_mc
 
     results = []
     if texts is not None:
@@ -204,7 +204,7 @@ def _eval_model(spec: str, device: str = "cpu", sets: list[str] = (), need_mesh:
     except a run whose boundaries are not part of its model, scored as its merged Hugging Face model.
     A model alone is its Hugging Face model for multiple choice and one stage for generation."""
     from thinpipe.commands.mesh_source import build_mesh, is_run_folder
-    from thinpipe.eval import logits_fn_from_model
+    from thinpipe.eval.loglik import logits_fn_from_model
     from thinpipe.models import load_model
     from thinpipe.models.presets import DEFAULT_MODEL
     from thinpipe.placement import resolve_device
@@ -248,7 +248,8 @@ class MeshGenerator:
         return Sampling(max_new_tokens, temperature=0.0, stop=list(stop), eos_ids=eos_ids)
 
     def _generate(self, ids: list[list[int]], sampling) -> list[list[int]]:
-        from thinpipe.comm import ByteMeter, Mailbox
+        from thinpipe.comm.inprocess import Mailbox
+        from thinpipe.comm.meter import ByteMeter
         from thinpipe.engine.sim_generate import generate_on_mesh, generate_on_stages
 
         if self.mesh is not None:

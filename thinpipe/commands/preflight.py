@@ -45,7 +45,7 @@ def validate_names(cfg) -> None:
 
 
 def validate_tasks(tasks: list[str], extra: list[str] = ()) -> None:
-    from thinpipe.eval import TASKS
+    from thinpipe.eval.tasks import TASKS
 
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:

@@ -22,7 +22,8 @@ from thinpipe.config import ConfigError, apply_overrides
 from thinpipe.engine.run_folder import load_run
 from thinpipe.engine.sim_engine import mesh_validation_loss
 from thinpipe.engine.sim_mesh import SimMesh
-from thinpipe.eval import evaluate_mc, logits_fn_from_model
+from thinpipe.eval.loglik import logits_fn_from_model
+from thinpipe.eval.multiple_choice import evaluate_mc
 from thinpipe.objective.registry import build_data
 
 

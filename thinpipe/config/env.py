@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import overload
 
 from thinpipe.config.errors import ConfigError
 
@@ -21,6 +22,15 @@ def env_float(name: str, default: float, lo: float, hi: float) -> float:
     if not lo <= value <= hi:  # nan fails too
         raise ConfigError(f"${name} = {text!r}: give a number from {lo:g} to {hi:g} (default {default:g}), or unset it")
     return value
+
+
+# typed per default: an int default gives an int; None gives None when unset or empty
+@overload
+def env_int(name: str, default: int, lo: int, hi: int) -> int: ...
+
+
+@overload
+def env_int(name: str, default: None, lo: int, hi: int) -> int | None: ...
 
 
 def env_int(name: str, default: int | None, lo: int, hi: int) -> int | None:

@@ -128,7 +128,7 @@ class StreamingDiLoCo(StreamingDiLoCoKind, DPScheme):
     """``dp.kind = streaming-diloco``: each fragment's outer step every ``dp.inner_steps`` steps, staggered,
     applied ``dp.overlap`` steps after it is posted; local weights mixed with ``dp.alpha``."""
 
-    def __init__(self, cfg, trained, group, member, seed):
+    def __init__(self, cfg, trained, group, member, seed) -> None:
         super().__init__(cfg, trained, group, member, seed)
         self.state = StreamingState(trained(), cfg.fragments, cfg.outer_lr, cfg.outer_momentum)
         self.compressor = (PowerSGDState(rank=cfg.rank, start_step=0, seed=seed)

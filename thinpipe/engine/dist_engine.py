@@ -24,12 +24,14 @@ import torch
 import torch.distributed as dist
 
 from thinpipe.analysis import energy_vs_fixed
+from thinpipe.anchor.dist_rank import AnchorStageRank
 from thinpipe.anchor.dist_wiring import anchor_feed
 from thinpipe.checkpoint import prune, save_part, step_dir
-from thinpipe.comm import AXES, ByteMeter
 from thinpipe.comm.dist_group import DistGroup
 from thinpipe.comm.dist_transport import DistTransport, broadcast_payload, job_wire
 from thinpipe.comm.jobkey import job_key
+from thinpipe.comm.meter import AXES, ByteMeter
+from thinpipe.comm.payload import Payload
 from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.tags import Params
 from thinpipe.config import Config, ConfigError
@@ -113,7 +115,10 @@ class DistEngine:
                 for _ in residual_pass(self.stage, self.in_b, self.out_b, self.eval_transport, batches, {p}, 0, out):
                     pass
             src = self.layout.grid[0][p]
-            payload = self.out_b.init_from_residuals(torch.cat(out[p])) if self.rank == src else None
+            payload: Payload | None = None
+            if self.rank == src:  # replica 0's sender of boundary p: its out boundary is p
+                assert self.out_b is not None
+                payload = self.out_b.init_from_residuals(torch.cat(out[p]))
             payload = broadcast_payload(payload, src, self.groups.fast, self.device, self.bounds[p].param_expect())
             if self.rank == src:  # metered once, by the owner, as the simulation does
                 self.meter.add("pp_params", payload.nbytes * start_copies(self.layout.dp))
@@ -127,9 +132,10 @@ class DistEngine:
             raise RuntimeError(f"THINPIPE_FAULT_AT_STEP: injected fault at step {step}")
         return step
 
-    def commit_step(self, step: int, loss: float) -> float:
+    def commit_step(self, step: int, loss: float) -> float | None:
         """After this rank's share of the step (``objective/``'s step over ``DistPipe``; ``loss``: the mean over
-        replicas, the same on every rank): the mesh's bytes and gradient norm."""
+        replicas, the same on every rank): the mesh's bytes and gradient norm. Always committed here (None: an
+        ``ElasticEngine`` step that did not commit)."""
         self._trained = True
         self.record_step()
         self.step_index = step + 1
@@ -169,6 +175,7 @@ class DistEngine:
                 pass
         mine = [0.0, 0.0]
         if self.stage.index in out:
+            assert self.out_b is not None  # residual_pass measured at this stage's own boundary
             mine = list(energy_vs_fixed(torch.cat(out[self.stage.index]), self.out_b.subspace(), self.cfg.train.seed,
                                         self.out_b.index))
         rows = self.gather(mine)
@@ -287,7 +294,7 @@ def train_dist(cfg: Config, out: str | Path, progress: bool = True, resume: bool
         # order, tags and sums do not depend on the backend. Every listener on the job's address.
         job_key("--engine dist")  # before anything starts: a rank without the key says so in one line
         init_gloo(timeout_s)
-    rank = None
+    rank: AnchorStageRank | DistEngine | None = None
     try:
         setup = RankSetup.build(cfg)
         role, st = setup.role, setup.stage

@@ -21,8 +21,8 @@ from thinpipe.anchor.dist_rank import AnchorStageRank
 from thinpipe.anchor.dist_wiring import anchor_stage_rank
 from thinpipe.boundary import build_boundaries
 from thinpipe.checkpoint import load_part, refuse_legacy, sets, step_dir, verifies
-from thinpipe.comm import ByteMeter
 from thinpipe.comm.groups import ProcessGroups
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config, ConfigError
 from thinpipe.console import say

@@ -41,15 +41,16 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 from torchft import Manager, ProcessGroupGloo
 
-from thinpipe.comm import AXES
 from thinpipe.comm.bind import bind_address, point_gloo_at
 from thinpipe.comm.jobkey import job_key
 from thinpipe.comm.managed import ManagedGroup
+from thinpipe.comm.meter import AXES
 from thinpipe.comm.recovery import SafeTransport
 from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.shaped import MeshLinks
@@ -103,6 +104,14 @@ def _tree_bytes(tree) -> int:
     return 0
 
 
+class ElasticStats(TypedDict):
+    """What the summary reports of a replica's elastic life (``summary_extras``)."""
+
+    rollbacks: int                 # its steps that did not commit
+    recovered_at_step: int | None  # a restarted replica: the step it healed at from a live peer
+    recovery_s: float | None       # and how long healing took
+
+
 class ElasticEngine(DistEngine):
     """One stage of one elastic replica, as an engine of the run loop (``engine/loop.py``)."""
 
@@ -144,7 +153,7 @@ class ElasticEngine(DistEngine):
         # a restarted replica first needs a live peer (_wait_for_peer); one resuming from its checkpoint does not
         self._joined = restart == 0 or resuming
         self._resuming = resuming
-        self.stats = {"rollbacks": 0, "recovered_at_step": None, "recovery_s": None}
+        self.stats: ElasticStats = {"rollbacks": 0, "recovered_at_step": None, "recovery_s": None}
         self._kill_at = elastic_kill_step(replica, self.role.stage) if restart == 0 else -1
 
     # the quorum ---------------------------------------------------------------------------------
@@ -178,7 +187,8 @@ class ElasticEngine(DistEngine):
             self._apply(self._peer)
             self._peer, self._restore = None, None
             joined = self.manager.current_step()
-            self.stats.update(recovered_at_step=joined, recovery_s=round(time.perf_counter() - t0, 3))
+            self.stats["recovered_at_step"] = joined
+            self.stats["recovery_s"] = round(time.perf_counter() - t0, 3)
             self._event("recovered", joined, replica=self.replica, restart=self.restart,
                         recovery_s=self.stats["recovery_s"])
         elif self._restore is not None:
@@ -335,6 +345,8 @@ def train_elastic(cfg: Config, out: str | Path, progress: bool = True) -> dict |
     # resumed (in the folder of that restart) by thinpipe launch --elastic --resume
     resume = os.environ.get(RESUME_ENV) == "1"
     replica = env_int(REPLICA_ENV, None, 0, cfg.mesh.dp - 1)  # a replica of mesh.dp
+    if replica is None:  # set, but empty
+        raise ConfigError(f"${REPLICA_ENV} is empty: give this replica's index, 0 to {cfg.mesh.dp - 1} (mesh.dp)")
     restart = env_int(RESTART_ENV, None, 0, 10**6)
     restart = env_int("TORCHELASTIC_RESTART_COUNT", 0, 0, 10**6) if restart is None else restart
     timeout_s = dist_timeout_s()

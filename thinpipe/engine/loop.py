@@ -26,7 +26,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from thinpipe.checkpoint import restoring
-from thinpipe.comm import AXES
+from thinpipe.comm.meter import AXES
 from thinpipe.config import Config, ConfigError, Diverged, load_config
 from thinpipe.console import say
 from thinpipe.dashboards import Dashboards
@@ -332,10 +332,11 @@ def _summary(engine: Engine, cfg: Config, spec: ObjectiveSpec, metrics: list, va
 def _rate(nbytes: float, seconds: float) -> str:
     """Bytes the mesh sent per second of this run, for the progress bar (e.g. "1.2MB/s")."""
     r = nbytes / seconds if seconds > 0 else 0.0
-    for unit in ("B", "kB", "MB", "GB"):
-        if r < 1000 or unit == "GB":
+    for unit in ("B", "kB", "MB"):
+        if r < 1000:
             return f"{r:.3g}{unit}/s"
         r /= 1000
+    return f"{r:.3g}GB/s"
 
 
 class _Discard:

@@ -55,7 +55,7 @@ def load_run(run_dir: str | Path, device: str = "cpu"):
     return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device), loaded.tokenizer
 
 
-def refuse_nested(a: Path, b: Path, what: str) -> None:
+def refuse_nested(a: str | Path, b: str | Path, what: str) -> None:
     """Two folders of one command that must not be one inside the other (``what`` names them in the line)."""
     a, b = Path(a).resolve(), Path(b).resolve()
     if a == b:
@@ -184,6 +184,7 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours: absent once renamed
     if old is not None:
+        assert written is not None  # old: where the earlier export (its files: written) was moved aside
         _remove_export(old / "export", written)
         try:
             old.rmdir()

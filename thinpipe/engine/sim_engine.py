@@ -80,9 +80,12 @@ class SimEngine:
         if not bounds or bounds[0].subspace() is None:
             return None
         batch = next(val_batches(self.val_ds, self.cfg.train.batch_size))
-        out = {"learned": [], "fixed": []}
+        out: dict[str, list[float]] = {"learned": [], "fixed": []}
         for b, X in zip(bounds, self.mesh.boundary_residuals([batch])):
-            learned, fixed = energy_vs_fixed(X, b.subspace(), self.cfg.train.seed, b.index)
+            # the kinds with a subspace are part of the model, which applies to every boundary (no boundary.masked)
+            U = b.subspace()
+            assert U is not None
+            learned, fixed = energy_vs_fixed(X, U, self.cfg.train.seed, b.index)
             out["learned"].append(learned)
             out["fixed"].append(fixed)
         return out
@@ -123,4 +126,6 @@ def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = T
     """Run training in the simulation as configured; returns the summary (also in ``out/summary.json``)."""
     out = Path(out)
     cfg = resolve_resume(cfg, out, resume)
-    return run(SimEngine(cfg), cfg, out, resume=resume, progress=progress)
+    summary = run(SimEngine(cfg), cfg, out, resume=resume, progress=progress)
+    assert summary is not None  # the simulation is the lead (SimEngine.lead): it always has the summary
+    return summary

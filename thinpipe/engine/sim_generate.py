@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from thinpipe.comm import drive_lockstep
+from thinpipe.comm.inprocess import drive_lockstep
 from thinpipe.comm.protocols import Transport
 from thinpipe.rank.generation import Sampling, chunks, decode_pass, pad_id_of, pick_boundary
 

@@ -22,7 +22,8 @@ import torch
 from thinpipe.anchor import SimAnchorCircuit
 from thinpipe.boundary import build_boundaries
 from thinpipe.boundary.link import through
-from thinpipe.comm import ByteMeter, InProcessGroup, Mailbox, drive_lockstep
+from thinpipe.comm.inprocess import InProcessGroup, Mailbox, drive_lockstep
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.config import Config
 from thinpipe.engine.sim_diagnostics import gradient_diagnostics
 from thinpipe.models.stages import Stage, build_stages

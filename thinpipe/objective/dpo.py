@@ -11,6 +11,8 @@ training forward, and kept in the last stage's checkpoint part, so a resume does
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from thinpipe.data.preferences import build_preference_dataset, pair_batches
@@ -85,7 +87,7 @@ class Dpo:
     def __init__(self, cfg, pipe: Pipe, train_ds, val_ds):
         self.cfg, self.pipe, self.train_ds, self.val_ds = cfg, pipe, train_ds, val_ds
         self.ref = {"train": torch.zeros(0, 2, dtype=torch.float32), "val": torch.zeros(0, 2, dtype=torch.float32)}
-        self._streams: dict[int, object] = {}
+        self._streams: dict[int, Iterator[dict[str, torch.Tensor]]] = {}
         self.last: dict[str, float] = {}
         self._val_metrics: dict[str, float] = {}
         self.tokens = 0  # trained (non-padding) tokens of the whole mesh so far

@@ -156,6 +156,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, 
     clipped_coef = torch.clamp(coef, 1.0 - clip_low, 1.0 + clip_high)
     per_token = -torch.min(coef * adv, clipped_coef * adv)
     if use_kl:
+        assert ref_logp is not None  # use_kl: checked above
         ref = torch.where(mask, ref_logp.to(logp.dtype), zero)
         kl = torch.exp(ref - lp) - (ref - lp) - 1.0
         per_token = per_token + kl_beta * kl

@@ -185,5 +185,5 @@ def reference_worker(stage, replica: int, in_b, out_b, transport, compute_dtype:
     ref = copy.deepcopy(stage)
     for p in ref.parameters():
         p.requires_grad_(False)
-    dense = [None if b is None else Boundary(b.index, b.hidden_size) for b in (in_b, out_b)]
-    return StageWorker(ref, replica, *dense, transport, compute_dtype, axes=(None, None))
+    dense_in, dense_out = [None if b is None else Boundary(b.index, b.hidden_size) for b in (in_b, out_b)]
+    return StageWorker(ref, replica, dense_in, dense_out, transport, compute_dtype, axes=(None, None))

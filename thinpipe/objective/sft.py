@@ -9,6 +9,8 @@ circuit trains on its own shard of the data (anchor-priors §3: a replica of its
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from thinpipe.config import ConfigError
 from thinpipe.data import build_dataset
 from thinpipe.objective.data import common_data_args
@@ -60,10 +62,10 @@ SPEC = ObjectiveSpec(name="sft", build=build, data=data, val_key="val_loss", val
 
 class Sft:
 
-    def __init__(self, cfg, pipe, train_ds, val_ds):
+    def __init__(self, cfg, pipe, train_ds, val_ds) -> None:
         self.cfg, self.pipe, self.train_ds, self.val_ds = cfg, pipe, train_ds, val_ds
         self.tokens = 0
-        self._streams: dict[int, object] | None = None
+        self._streams: dict[int, Iterator[dict]] | None = None
         self._anchor = None
 
     def start(self) -> None:

@@ -8,8 +8,10 @@ two runs of one config see the same model, data, batches and learning rates (one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from thinpipe.config import Config, ConfigError
 from thinpipe.data import PackedDataset, batches
@@ -60,6 +62,15 @@ def check_layers(cfg: Config, n_layers: int) -> None:
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {n_layers} layers")
 
 
+class BoundaryModel(Protocol):
+    """What boundary builders read of "the model": the whole model, or a rank's ``ModelOnDisk`` /
+    ``ScaleModelOnDisk``."""
+
+    config: Any  # the model's (Hugging Face) config
+
+    def get_input_embeddings(self) -> nn.Module: ...
+
+
 @dataclass
 class LoadedStage:
     """What one rank of a distributed run starts from. ``stages`` is every stage of the pipeline, of
@@ -68,7 +79,7 @@ class LoadedStage:
 
     stages: list[Stage]
     tokenizer: object
-    model: object
+    model: BoundaryModel
     hidden_size: int
 
 

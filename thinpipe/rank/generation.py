@@ -249,6 +249,7 @@ def decode_pass(stage, in_b, out_b, transport: Transport, prompts: list[list[int
         if not last:
             transport.send(EvalActivation(replica, s, tag), sender_forward(out_b, h, ctx)[1], axis)
         else:
+            assert logits is not None  # the last stage computed them above
             tok = next_tokens(logits, sampling, gens)
             final = r == sampling.max_new_tokens - 1
             done = torch.tensor([final or _row_done(out[i], t, sampling, tokenizer)

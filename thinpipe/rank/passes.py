@@ -42,12 +42,14 @@ def residual_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transpor
     s, last = stage.index, max(at)
     if s > last:
         return
+    assert out_b is not None  # s <= a boundary's index: this stage sends through boundary s
     for i, batch in enumerate(batches):
         ctx = make_contexts(to_device(batch, device_of(stage)), 1, step, 0)[0]
         key = ("residuals", last, i)
         if s == 0:
             x = ctx.input_ids
         else:
+            assert in_b is not None  # every stage but the first receives through one
             b = eval_boundary(in_b)
             expect = b.payload_expect("fwd", ctx.tokens, ctx)
             x = receiver_forward(b, transport.recv(EvalActivation(0, s - 1, key), expect),
@@ -93,6 +95,7 @@ def heldout_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transport
         if stage.is_first:
             x = ctx.input_ids
         else:
+            assert in_b is not None  # every stage but the first receives through one
             b = eval_boundary(in_b)
             x = receiver_forward(b, transport.recv(EvalActivation(replica, stage.index - 1, ("val", i)),
                                                    b.payload_expect("fwd", ctx.tokens, ctx)), ctx, torch.float32)[1]
@@ -101,6 +104,7 @@ def heldout_pass(stage, in_b: Boundary | None, out_b: Boundary | None, transport
         if stage.is_last:
             out.append((float(x), int((batch["labels"][:, 1:] != -100).sum())))
         else:
+            assert out_b is not None  # every stage but the last sends through one
             transport.send(EvalActivation(replica, stage.index, ("val", i)),
                            sender_forward(eval_boundary(out_b), x, ctx)[1], None)
         yield DONE

@@ -180,6 +180,7 @@ class StageRank:
         if not self._refreshing(step):
             return
         state, s, last = self.stage_state, self.index, self.stage.num_stages - 1
+        assert state is not None  # _refreshing: a state whose refresh is due
         mine = self._refresh_mine = state.contribution(self.in_boundary, self.out_boundary)
         for turn in range(last, -1, -1):
             if turn == s:
@@ -194,6 +195,7 @@ class StageRank:
     def refresh_average(self, step: int) -> Generator:
         """Stage 0: the sum's mean over the DP replicas."""
         if self._refreshing(step) and self.index == 0 and self.dp_group.size > 1:
+            assert self._refresh_total is not None  # refresh_up left stage 0 the sum this step
             yield from allreduce_average(self._refresh_total.tensors, self.dp_group, self.replica, self.dp_group.size)
 
     def refresh_down(self, step: int) -> Generator:
@@ -204,6 +206,7 @@ class StageRank:
                 self.stage_state.after_step(self.stage)
             return
         state, s = self.stage_state, self.index
+        assert state is not None  # _refreshing: a state whose refresh is due
         for turn in range(self.stage.num_stages):
             if turn == s:
                 new = state.update(self._refresh_total) if s == 0 else \

@@ -19,13 +19,26 @@ from thinpipe.placement import autocast, device_of
 class StageWorker:
     def __init__(self, stage: Stage, replica: int, in_boundary: Boundary | None, out_boundary: Boundary | None,
                  transport: Transport, compute_dtype: torch.dtype = torch.float32,
-                 axes: tuple[str, str] = ("pp_fwd", "pp_bwd")):
+                 axes: tuple[str | None, str | None] = ("pp_fwd", "pp_bwd")):
         self.stage, self.replica = stage, replica
         self.in_boundary, self.out_boundary = in_boundary, out_boundary
         self.transport, self.compute_dtype = transport, compute_dtype
-        self.fwd_axis, self.bwd_axis = axes  # the anchor circuit meters its PP traffic on its own axis
+        # the anchor circuit meters its PP traffic on its own axis; None: unmetered (evaluation, the reference)
+        self.fwd_axis, self.bwd_axis = axes
         self._saved: dict[int, dict] = {}
         self.losses: list[float] = []
+
+    @property
+    def _receiving(self) -> Boundary:
+        """The boundary this stage receives through (every stage but the first has one)."""
+        assert self.in_boundary is not None
+        return self.in_boundary
+
+    @property
+    def _sending(self) -> Boundary:
+        """The boundary this stage sends through (every stage but the last has one)."""
+        assert self.out_boundary is not None
+        return self.out_boundary
 
     def _autocast(self):
         return autocast(device_of(self.stage), self.compute_dtype)
@@ -35,17 +48,17 @@ class StageWorker:
         if self.stage.is_first:
             x = ctx.input_ids
         else:
-            payload = self.transport.recv(Activation(self.replica, self.in_boundary.index, ctx.microbatch),
-                                          self.in_boundary.payload_expect("fwd", ctx.tokens, ctx))
-            saved["z_hat"], x = receiver_forward(self.in_boundary, payload, ctx, torch.float32)
+            payload = self.transport.recv(Activation(self.replica, self._receiving.index, ctx.microbatch),
+                                          self._receiving.payload_expect("fwd", ctx.tokens, ctx))
+            saved["z_hat"], x = receiver_forward(self._receiving, payload, ctx, torch.float32)
         with self._autocast():
             out = self.stage(x, ctx)
         if self.stage.is_last:
             saved["loss"] = out
             self.losses.append(float(out.detach()))
         else:
-            saved["z"], payload = sender_forward(self.out_boundary, out, ctx)
-            self.transport.send(Activation(self.replica, self.out_boundary.index, ctx.microbatch), payload,
+            saved["z"], payload = sender_forward(self._sending, out, ctx)
+            self.transport.send(Activation(self.replica, self._sending.index, ctx.microbatch), payload,
                                 self.fwd_axis)
 
     def clear_saved(self) -> None:
@@ -57,9 +70,9 @@ class StageWorker:
         if self.stage.is_last:
             saved["loss"].backward()
         else:
-            payload = self.transport.recv(Gradient(self.replica, self.out_boundary.index, ctx.microbatch),
-                                          self.out_boundary.payload_expect("bwd", ctx.tokens, ctx))
-            sender_backward(self.out_boundary, saved["z"], payload, ctx)
+            payload = self.transport.recv(Gradient(self.replica, self._sending.index, ctx.microbatch),
+                                          self._sending.payload_expect("bwd", ctx.tokens, ctx))
+            sender_backward(self._sending, saved["z"], payload, ctx)
         if not self.stage.is_first:
-            payload = receiver_backward(self.in_boundary, saved["z_hat"], ctx)
-            self.transport.send(Gradient(self.replica, self.in_boundary.index, ctx.microbatch), payload, self.bwd_axis)
+            payload = receiver_backward(self._receiving, saved["z_hat"], ctx)
+            self.transport.send(Gradient(self.replica, self._receiving.index, ctx.microbatch), payload, self.bwd_axis)

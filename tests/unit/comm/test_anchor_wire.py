@@ -4,7 +4,7 @@ replica rebuilds is exactly what the anchor's PowerSGD compression produced."""
 import torch
 
 from thinpipe.anchor.codec import decode_push, encode_pull, encode_push, load_pull
-from thinpipe.comm import LocalGroup, drive_lockstep
+from thinpipe.comm.inprocess import LocalGroup, drive_lockstep
 from thinpipe.dp.powersgd import PowerSGDState, powersgd_average, wire_numel
 
 

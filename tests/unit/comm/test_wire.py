@@ -108,7 +108,7 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
     script = textwrap.dedent("""
         import sys, time, torch, torch.distributed as dist
         from thinpipe.boundary.base import Payload
-        from thinpipe.comm import ByteMeter
+        from thinpipe.comm.meter import ByteMeter
         from thinpipe.comm.dist_transport import DistTransport
         from thinpipe.comm.header import Expect
         from thinpipe.comm.shaped import ShapedLink
@@ -158,8 +158,9 @@ def test_two_gloo_ranks_exchange_payloads_bit_exactly_and_shaped(tmp_path):
 def test_both_transports_refuse_a_message_without_a_typed_tag():
     """A tag that is not one of comm/tags.py's types fails in the simulation as on the real mesh
     (the real transport checks before it touches torch.distributed)."""
-    from thinpipe.comm import ByteMeter, Mailbox
     from thinpipe.comm.dist_transport import DistTransport
+    from thinpipe.comm.inprocess import Mailbox
+    from thinpipe.comm.meter import ByteMeter
     from thinpipe.comm.tags import Activation
     from thinpipe.layout import MeshLayout
 

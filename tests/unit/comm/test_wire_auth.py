@@ -105,7 +105,8 @@ def test_the_receiver_refuses_what_it_does_not_expect_before_allocating():
 def test_simulated_receivers_check_the_same_bounds():
     """The in-process mailbox applies the receiver's Expect too, so every simulated run (the whole
     suite) shows that each kind's bound admits what its sender sends; here: one it would not."""
-    from thinpipe.comm import ByteMeter, Mailbox
+    from thinpipe.comm.inprocess import Mailbox
+    from thinpipe.comm.meter import ByteMeter
     from thinpipe.comm.tags import Activation
 
     box = Mailbox(ByteMeter())
@@ -151,7 +152,7 @@ def test_listeners_bind_loopback_for_one_machine_and_ask_otherwise(monkeypatch):
 OUTSIDER = textwrap.dedent("""
     import os, sys, torch, torch.distributed as dist
     from thinpipe.boundary.base import Payload
-    from thinpipe.comm import ByteMeter
+    from thinpipe.comm.meter import ByteMeter
     from thinpipe.comm.dist_transport import DistTransport
     from thinpipe.comm.header import Expect, PayloadError, encode_header
     from thinpipe.comm.rendezvous import init_gloo
@@ -198,7 +199,7 @@ def test_a_real_rank_refuses_a_strangers_payload_and_a_replayed_one(tmp_path, mo
 
 GATHER = textwrap.dedent("""
     import os, torch, torch.distributed as dist
-    from thinpipe.comm import ByteMeter
+    from thinpipe.comm.meter import ByteMeter
     from thinpipe.comm.dist_group import DistGroup
     from thinpipe.comm.header import PayloadError
     from thinpipe.comm.rendezvous import init_gloo

@@ -3,7 +3,8 @@
 import torch
 
 from tests.helpers import drive
-from thinpipe.comm import ByteMeter, InProcessGroup, Work
+from thinpipe.comm.inprocess import InProcessGroup, Work
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.dp.diloco import DiLoCoState, outer_step
 
 

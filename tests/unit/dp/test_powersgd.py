@@ -5,7 +5,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ptpsgd
 
 from tests.helpers import drive
-from thinpipe.comm import ByteMeter, InProcessGroup
+from thinpipe.comm.inprocess import InProcessGroup
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.dp.powersgd import PowerSGDState, orthonormalize, powersgd_average, wire_numel
 
 

@@ -12,8 +12,9 @@ import torch
 from tests.helpers import config, tiny_model
 from thinpipe.boundary.base import Boundary
 from thinpipe.cli import main
-from thinpipe.comm import ByteMeter, Mailbox
 from thinpipe.comm.header import PayloadError
+from thinpipe.comm.inprocess import Mailbox
+from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.tags import SampledTokens
 from thinpipe.config import ConfigError

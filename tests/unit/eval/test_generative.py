@@ -7,7 +7,6 @@ import time
 import pytest
 
 from tests.helpers import skip_or_fail, tiny_model
-from thinpipe.eval import WheelUnavailable, logits_fn_from_model
 from thinpipe.eval.generative import (
     greedy_generate,
     gsm8k_correct,
@@ -18,7 +17,9 @@ from thinpipe.eval.generative import (
     mbpp_program,
     truncate_at_stop,
 )
+from thinpipe.eval.loglik import logits_fn_from_model
 from thinpipe.eval.sandbox import SandboxUnavailable, run_sandboxed
+from thinpipe.eval.wheels import WheelUnavailable
 
 
 def sandboxed(code, **kw):

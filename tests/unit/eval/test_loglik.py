@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from thinpipe.eval import encode_pair, logits_fn_from_model, score_requests
+from thinpipe.eval.loglik import encode_pair, logits_fn_from_model, score_requests
 
 from ._fakes import CharTokenizer, V
 

