@@ -139,7 +139,6 @@ def test_anchor_priors_change_the_trajectory_in_the_equivalence_case(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # asserts on time, or on what the anchor delivers by when
 def test_anchor_arrival_delivery_and_a_failing_anchor(tmp_path):
     """``arrival``: priors are consumed when they have arrived (realised staleness reported); an
     anchor rank that fails mid-run is reported and the fast circuit finishes without it."""
@@ -234,7 +233,6 @@ class LiveJob:
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # asserts on time, or on what the anchor delivers by when
 def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
     """kill -9 one rank mid-run: every process is gone well within 60 s, and the output names the
     dead rank (the launcher's root cause, with its role) and every rank's role (start-up lines)."""
@@ -257,7 +255,6 @@ def test_a_dead_stage_rank_stops_every_rank_quickly_and_is_named(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # asserts on time, or on what the anchor delivers by when
 def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
     """kill -9 the launcher (as a lost node's torchrun agent would die): its ranks, each in its own
     session, notice and exit within seconds instead of training on as orphans."""
@@ -326,7 +323,6 @@ def test_a_run_with_an_anchor_circuit_killed_mid_way_resumes_bitwise(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # asserts on time, or on what the anchor delivers by when
 def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
     """SIGINT (Ctrl-C) to `thinpipe launch`: it stops every rank (each in its own session, so the
     terminal's signal reaches only the launcher), says so, and exits with 130."""
@@ -343,7 +339,6 @@ def test_ctrl_c_on_the_launcher_stops_every_rank(tmp_path):
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # asserts on time, or on what the anchor delivers by when
 def test_a_killed_anchor_rank_leaves_the_fast_circuit_finishing(tmp_path):
     """kill -9 an anchor rank mid-run (``arrival`` delivery): the launcher warns instead of stopping
     the job, the fast ranks notice the broken link, and the run finishes with anchor_failed set."""
@@ -374,7 +369,6 @@ def _netns_available() -> bool:
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # the machine's network namespaces
 @pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
 def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_result(tmp_path, one_thread):
     """`launch --netns`: each rank in its own namespace, the PP link shaped by tc at 1 Mbit/s. The
@@ -396,7 +390,6 @@ def test_kernel_shaped_links_in_network_namespaces_change_the_speed_not_the_resu
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # the machine's network namespaces
 @pytest.mark.skipif(not _netns_available(), reason="needs root and network namespaces")
 def test_netns_launcher_names_a_failed_rank_and_cleans_up(tmp_path):
     before = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -213,7 +213,6 @@ def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, sch
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # torchft's quorums and heartbeats run on the clock
 @pytest.mark.slow
 def test_a_replica_killed_mid_step_is_restarted_and_rejoins_with_its_peers_weights(tmp_path):
     """3 replicas x 2 stages; replica 1's stage 1 SIGKILLs itself mid-step at step 3 (between its
@@ -260,7 +259,6 @@ def test_a_replica_killed_mid_step_is_restarted_and_rejoins_with_its_peers_weigh
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # torchft's quorums and heartbeats run on the clock
 @pytest.mark.slow
 def test_a_replica_lost_for_good_leaves_diloco_averaging_over_the_others(tmp_path):
     """--max-restarts 0: replica 2 (stage 0, its manager's host) SIGKILLed at step 5 is given up; the
@@ -390,7 +388,6 @@ def test_a_whole_job_that_stopped_resumes_from_its_replicas_checkpoints_bitwise(
 
 
 @pytest.mark.dist
-@pytest.mark.serial  # torchft's quorums and heartbeats run on the clock
 @pytest.mark.slow
 def test_gspo_on_elastic_replicas_survives_a_kill_and_the_rejoined_replica_ends_equal(tmp_path):
     """GSPO through the one step path on torchft: 2 replicas x 2 stages, replica 1's stage 1 SIGKILLed mid-step at

@@ -366,7 +366,6 @@ def test_the_lighthouse_and_a_replicas_manager_server_bind_the_jobs_address(monk
 # ----------------------------------------------------------------------------- a real job
 
 @pytest.mark.dist
-@pytest.mark.serial  # an elastic job: torchft's quorums run on the clock
 @pytest.mark.slow
 def test_every_listener_of_an_elastic_job_is_on_loopback(tmp_path):
     from tests.integration.test_elastic import BASE
