@@ -97,3 +97,15 @@ def assert_same_run_files(a, b) -> None:
     assert sum_a.keys() == sum_b.keys()
     assert {k: v for k, v in sum_a.items() if k not in WALL_CLOCK} == \
            {k: v for k, v in sum_b.items() if k not in WALL_CLOCK}
+
+
+def launch_with_plugin(plugin: str, nproc: int, out, args: list[str]):
+    """``thinpipe launch --nproc nproc -- train`` with ``plugin`` (a test module that registers a plug-in) imported by
+    every rank (``THINPIPE_PLUGINS``), one thread each; the finished process."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_PLUGINS": plugin,
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out",
+                           str(out), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300, cwd=root)

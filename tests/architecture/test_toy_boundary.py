@@ -7,9 +7,6 @@ The two engines' run folders are compared field by field: every metrics row and 
 only wall-clock fields may differ.
 """
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.helpers import assert_same_run_files, run_files
+from tests.helpers import assert_same_run_files, launch_with_plugin, run_files
 from thinpipe.boundary.base import Boundary, StageState, implements
 from thinpipe.cli import main
 from thinpipe.comm.payload import Payload
@@ -138,10 +135,7 @@ ARGS = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set
 
 
 def launch(nproc: int, out: Path, args: list[str]):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_PLUGINS": "tests.architecture.test_toy_boundary",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out",
-                           str(out), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return launch_with_plugin("tests.architecture.test_toy_boundary", nproc, out, args)
 
 
 @pytest.fixture

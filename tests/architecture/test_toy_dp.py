@@ -5,15 +5,12 @@ syncs and not between them, and the planner plans it from what it says of itself
 code knows it (tests/unit/dp/test_scheme.py: the built-in schemes; this file: a plugin's).
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers import assert_same_run_files, config, run_files
+from tests.helpers import assert_same_run_files, config, launch_with_plugin, run_files
 from thinpipe.checkpoint import load_part, step_dir
 from thinpipe.cli import main
 from thinpipe.dp.scheme import DPScheme
@@ -90,10 +87,7 @@ def assert_synchronised_after_its_syncs(folder: Path) -> None:
 
 
 def launch(nproc: int, out: Path, args: list[str]):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_PLUGINS": "tests.architecture.test_toy_dp",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out",
-                           str(out), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return launch_with_plugin("tests.architecture.test_toy_dp", nproc, out, args)
 
 
 @pytest.fixture

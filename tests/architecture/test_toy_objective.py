@@ -7,18 +7,15 @@ greedy next-token accuracy (a score, not a loss: ``val_top1``), and as a metric 
 loss of the same forward (``nll``), which its loss function records on the last stage.
 """
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import assert_same_run_files, run_files
+from tests.helpers import assert_same_run_files, launch_with_plugin, run_files
 from thinpipe.cli import main
 from thinpipe.data import build_dataset
 from thinpipe.objective.spec import ObjectiveSpec
@@ -176,10 +173,7 @@ def test_no_engine_or_rank_names_an_objective():
 
 
 def launch(nproc: int, out: Path, args: list[str]):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "THINPIPE_PLUGINS": "tests.architecture.test_toy_objective",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "thinpipe", "launch", "--nproc", str(nproc), "--", "train", "--out",
-                           str(out), "--quiet", *args], env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return launch_with_plugin("tests.architecture.test_toy_objective", nproc, out, args)
 
 
 @pytest.fixture
