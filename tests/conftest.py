@@ -25,6 +25,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.fixture
+def one_thread():
+    """The ranks of a dist test run with OMP_NUM_THREADS=1; a simulation it is compared with bitwise must split its
+    reductions (LAPACK's SVD in the spectral filter, say) the same way."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def is_fast(item) -> bool:
     return item.get_closest_marker("slow") is None and item.get_closest_marker("dist") is None
 

@@ -99,6 +99,30 @@ def assert_same_run_files(a, b) -> None:
            {k: v for k, v in sum_b.items() if k not in WALL_CLOCK}
 
 
+def assert_same_model(a, b):
+    """Two runs' models (any engines: ``engine/run_folder.py: load_mesh``), tensor for tensor: the job's model in
+    replica 0's stages (after the synchronisation rule) and its boundaries' state."""
+    from thinpipe.engine.run_folder import load_mesh
+
+    ma, mb = load_mesh(a)[1], load_mesh(b)[1]
+    for x, y in [*zip(ma.replicas[0], mb.replicas[0]), *zip(ma.boundaries, mb.boundaries)]:
+        sa, sb = x.state_dict(), y.state_dict()
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert same_tree(sa[k], sb[k]), k
+
+
+def same_tree(a, b) -> bool:
+    """Equal bitwise: tensors (dtype and values), and dicts, lists and plain values holding them."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def launch_with_plugin(plugin: str, nproc: int, out, args: list[str]):
     """``thinpipe launch --nproc nproc -- train`` with ``plugin`` (a test module that registers a plug-in) imported by
     every rank (``THINPIPE_PLUGINS``), one thread each; the finished process."""

@@ -138,14 +138,6 @@ def launch(nproc: int, out: Path, args: list[str]):
     return launch_with_plugin("tests.architecture.test_toy_boundary", nproc, out, args)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_toy_kinds_table_is_set_checked_and_recorded_by_its_description():
     cfg = load_config(None, ["boundary.kind=toy", "boundary.toy.step=0.25"])
     assert cfg.boundary.settings().step == 0.25 and cfg.to_dict()["boundary"]["toy"] == {"step": 0.25}

@@ -90,14 +90,6 @@ def launch(nproc: int, out: Path, args: list[str]):
     return launch_with_plugin("tests.architecture.test_toy_dp", nproc, out, args)
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_toy_scheme_trains_in_the_simulation_and_syncs_every_2nd_step(tmp_path):
     assert main(["train", "--out", str(tmp_path / "sim"), "--quiet", *ARGS]) == 0
     rows, summary = run_files(tmp_path / "sim")

@@ -12,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 import torch.nn.functional as F
 
 from tests.helpers import assert_same_run_files, launch_with_plugin, run_files
@@ -174,14 +173,6 @@ def test_no_engine_or_rank_names_an_objective():
 
 def launch(nproc: int, out: Path, args: list[str]):
     return launch_with_plugin("tests.architecture.test_toy_objective", nproc, out, args)
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.mark.dist

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.family_configs import WINDOW, family_folder
-from tests.integration.test_dist import launch, one_thread, results  # noqa: F401  (one_thread: a fixture)
+from tests.integration.test_dist import launch, results
 from tests.unit.models.test_families import TEXTS, hf_nll
 from thinpipe.cli import main
 from thinpipe.engine.run_folder import load_mesh

@@ -16,7 +16,6 @@ import textwrap
 
 import pytest
 
-from tests.integration.test_dist import one_thread  # noqa: F401  (the fixture: one thread, as the ranks)
 from tests.unit.engine.test_generation import PROMPTS, TOK, hf_generate
 from thinpipe.commands.launching import free_port, job_key_env
 from thinpipe.config import load_config

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from tests.integration.test_dist import launch, one_thread  # noqa: F401  (a fixture)
+from tests.helpers import assert_same_model
+from tests.integration.test_dist import launch
 from tests.integration.test_post_sft_train import as_args, dpo_sets, gspo_sets, pairs_file, prompts_file
 from thinpipe.cli import main
 
@@ -45,6 +46,8 @@ def test_dist_equals_sim_after_sft(case, tmp_path, one_thread):  # noqa: F811
     r = launch(nproc, tmp_path / "dist", args)
     assert r.returncode == 0, r.stderr[-3000:]
     assert same(tmp_path / "sim", tmp_path / "dist")
+    if case.startswith("gspo: mask"):  # a full fine-tune's model read back from the ranks' parts (issue 50)
+        assert_same_model(tmp_path / "dist", tmp_path / "sim")
 
 
 ANCHOR_CASES = {

@@ -108,5 +108,13 @@ class AqsgdBoundary(QuantBoundary):
     def get_extra_state(self):
         return {"sent": self.sent, "received": self.received}
 
+    def merged_state(self, sender: dict, receiver: dict) -> dict:
+        """The buffers of what was sent from the sending end, of what arrived from the receiving end."""
+        out = super().merged_state(sender, receiver)
+        if "_extra_state" in sender and "_extra_state" in receiver:
+            out["_extra_state"] = {"sent": sender["_extra_state"]["sent"],
+                                   "received": receiver["_extra_state"]["received"]}
+        return out
+
     def set_extra_state(self, state) -> None:
         self.sent, self.received = dict(state["sent"]), dict(state["received"])

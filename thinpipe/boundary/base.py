@@ -124,6 +124,18 @@ class Boundary(nn.Module):
     def receiver_load_params(self, payload: Payload) -> None:
         raise NotImplementedError
 
+    def receiver_keeps(self, key: str) -> bool:
+        """Whether the receiving end keeps state entry ``key`` (this module's ``state_dict`` key) up to date; the
+        sending end keeps the rest (``merged_state``)."""
+        return False
+
+    def merged_state(self, sender: dict, receiver: dict) -> dict:
+        """This boundary's ``state_dict`` from its two ends' saved copies (a dist job's ranks, each holding the
+        whole object but updating only its own end's entries, the other stage's placeholders left out):
+        ``engine/run_parts.py`` puts a job's model together with it. An entry from the end that keeps it."""
+        return {k: receiver[k] if k in receiver and (self.receiver_keeps(k) or k not in sender) else sender[k]
+                for k in {*sender, *receiver}}
+
     # learned / stateful kinds (see the module docstring) ---------------------------------------
     @property
     def stage_state(self) -> StageState | None:

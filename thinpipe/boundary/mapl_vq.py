@@ -73,6 +73,13 @@ class MaplVQBoundary(MaplBoundary):
     def decode_grad(self, payload, ctx):
         return self._unpack(self.bwd_vq, payload, ctx)
 
+    def receiver_keeps(self, key: str) -> bool:
+        """The forward codebooks decode on the receiving end, the gradients' on the sending end."""
+        book, _, name = key.partition(".")
+        if book not in ("fwd_vq", "bwd_vq"):
+            return super().receiver_keeps(key)
+        return (name in StreamingCodebook.DECODER_STATE) == (book == "fwd_vq")
+
     def expected_bytes(self, tokens, element_size):
         """Per microbatch of ``tokens`` tokens while training (one codebook slice per direction)."""
         groups = self.rank // self.group_size

@@ -77,6 +77,8 @@ class StreamingCodebook(nn.Module):
     In a real mesh the receiver's copy lives in the other process; keeping it separate here lets
     the tests check the protocol keeps the two copies equal."""
 
+    DECODER_STATE = ("receiver_shared", "received")  # what the decoding end updates; the encoding end the rest
+
     # the buffers (registered in __init__), typed for the checker
     live: torch.Tensor
     sender_shared: torch.Tensor

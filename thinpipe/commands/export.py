@@ -12,7 +12,9 @@ HELP = "write a run's weights as a Hugging Face model folder"
 
 
 def add_arguments(x: argparse.ArgumentParser) -> None:
-    x.add_argument("--run", required=True)
+    x.add_argument("--run", required=True, action="append",
+                   help="a run folder of any engine; a dist job across machines: each machine's --out (--run A "
+                        "--run B ...), their ranks' parts put together")
     x.add_argument("--out", required=True, help="a new or empty folder, or an earlier export with --overwrite")
     x.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out (only its own files; "
                                                             "any other non-empty folder is refused)")
@@ -21,8 +23,8 @@ def add_arguments(x: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from thinpipe.engine.run_folder import export  # the model libraries: loaded for this command only
 
-    run_folder = Path(args.run)
-    check_run(run_folder)
-    out = export(run_folder, args.out, overwrite=args.overwrite)
+    runs = [Path(r) for r in args.run]
+    check_run(runs)
+    out = export(runs if len(runs) > 1 else runs[0], args.out, overwrite=args.overwrite)
     print(f"exported to {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0

@@ -23,9 +23,11 @@ from pathlib import Path
 
 from thinpipe.comm import netns as nets
 from thinpipe.comm.bind import BIND_ENV, LOOPBACK
+from thinpipe.comm.orphan import WATCH_ENV
 from thinpipe.commands import train
 from thinpipe.commands.common import build_parser
-from thinpipe.commands.launching import INTERRUPTED, free_port, how, job_key_env, stop, train_args
+from thinpipe.commands.launching import INTERRUPTED, failures, free_port, how, job_key_env, stop, train_args
+from thinpipe.commands.rank_starter import START_METHODS, RankProcess, RankStarter
 from thinpipe.config import ConfigError, load_config
 from thinpipe.config.errors import rank_errors
 from thinpipe.console import say
@@ -46,6 +48,9 @@ def add_arguments(la: argparse.ArgumentParser) -> None:
     la.add_argument("--netns", action="store_true",
                     help="each rank in its own network namespace, link.pp_mbps / link.dp_mbps enforced by the "
                          "kernel (tc); Linux, root")
+    la.add_argument("--start-method", choices=START_METHODS, default="forkserver",
+                    help="forkserver (default): each rank forked from one process that has imported torch and the "
+                         "engine; spawn: each a fresh python (as torchrun's --start-method)")
     la.add_argument("rest", nargs=argparse.REMAINDER, help="-- train --out DIR --set ...")
 
 
@@ -66,15 +71,15 @@ def run(args) -> int:
             raise ConfigError("--elastic does not run in network namespaces yet: drop --netns (or --elastic)")
         if args.max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-        return launch_elastic(args.rest, args.max_restarts, nproc=args.nproc)
+        return launch_elastic(args.rest, args.max_restarts, nproc=args.nproc, start_method=args.start_method)
     if args.nproc is None:
         raise ConfigError("thinpipe launch needs --nproc N (N = (mesh.dp + mesh.anchor) x mesh.pp)")
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be >= 1, got {args.nproc}")
-    return launch(args.nproc, args.rest, netns=args.netns)
+    return launch(args.nproc, args.rest, netns=args.netns, start_method=args.start_method)
 
 
-def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
+def launch(nproc: int, rest: list[str], netns: bool = False, start_method: str = "forkserver") -> int:
     args = train_args(rest)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config")
@@ -93,7 +98,9 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
         nets.check_available()
         rates = nets.link_rates_mbps(layout, cfg.link.pp_mbps, cfg.link.dp_mbps, cfg.model.tied == "sync")
         ns = nets.create(layout, rates, job=str(os.getpid() % 100000))
-    procs: list[subprocess.Popen] = []
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    starter = None if ns else RankStarter(["thinpipe.engine.dist_engine", "thinpipe.cli"], threads, start_method)
+    procs: list[subprocess.Popen | RankProcess] = []
     # Ctrl-C sets a flag the supervision loop reads, rather than raising KeyboardInterrupt at an
     # arbitrary point: one raised inside Popen.poll() can leave its wait lock held, and the
     # cleanup's wait() would then hang forever.
@@ -107,12 +114,17 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
         for i in range(nproc):
             env = {**os.environ, **key_env, **error_env, "RANK": str(i), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(i),
                    "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": ns.addr(0) if ns else LOOPBACK,
-                   "MASTER_PORT": str(port), "THINPIPE_WATCH_PARENT": "1", BIND_ENV: ns.addr(i) if ns else LOOPBACK,
-                   "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-            cmd = [sys.executable, "-m", "thinpipe", *args, "--engine", "dist"]
-            if ns:
-                env["GLOO_SOCKET_IFNAME"] = "eth0"
-                cmd = ["ip", "netns", "exec", ns.ranks[i], *cmd, "--set", "link.shaper=kernel"]
+                   "MASTER_PORT": str(port), WATCH_ENV: str(os.getpid()), BIND_ENV: ns.addr(i) if ns else LOOPBACK,
+                   "OMP_NUM_THREADS": threads}
+            if ns is None:  # by default forked from a server that has imported torch and the engine (rank_starter.py)
+                assert starter is not None
+                role = layout.role(i)
+                procs.append(starter.start([*args, "--engine", "dist"], env, f"thinpipe rank {i} ({role.circuit} "
+                                           f"replica {role.replica}, stage {role.stage})"))
+                continue
+            env["GLOO_SOCKET_IFNAME"] = "eth0"
+            cmd = ["ip", "netns", "exec", ns.ranks[i], sys.executable, "-m", "thinpipe", *args, "--engine", "dist",
+                   "--set", "link.shaper=kernel"]
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         if ns:
             say(f"[thinpipe launch] {nproc} ranks in network namespaces {ns.ranks[0]}..{ns.ranks[-1]} "
@@ -134,14 +146,14 @@ def launch(nproc: int, rest: list[str], netns: bool = False) -> int:
         signal.signal(signal.SIGINT, previous)
 
 
-def _supervise(procs: list[subprocess.Popen], layout: MeshLayout, interrupted: threading.Event) -> int:
+def _supervise(procs: list[subprocess.Popen | RankProcess], layout: MeshLayout, interrupted: threading.Event) -> int:
     anchor_gone: set[int] = set()
     while True:
         if interrupted.is_set():
             return INTERRUPTED
         codes = [p.poll() for p in procs]
-        for rank, code in enumerate(codes):
-            if code in (None, 0) or rank in anchor_gone:
+        for rank, code in failures(codes):
+            if rank in anchor_gone:
                 continue
             role = layout.role(rank)
             if role.circuit == "anchor":

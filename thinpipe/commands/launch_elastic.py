@@ -29,8 +29,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -39,8 +37,10 @@ from torchft.coordination import LighthouseServer
 
 from thinpipe.checkpoint import has_checkpoint
 from thinpipe.comm.bind import BIND_ENV, LOOPBACK, bind_address
-from thinpipe.commands.launching import INTERRUPTED, free_port, how, job_key_env, stop, train_args
+from thinpipe.comm.orphan import WATCH_ENV
+from thinpipe.commands.launching import INTERRUPTED, failures, free_port, how, job_key_env, stop, train_args
 from thinpipe.commands.preflight import made_by_thinpipe, validate_names
+from thinpipe.commands.rank_starter import RankStarter
 from thinpipe.config import ConfigError, load_config
 from thinpipe.console import say
 from thinpipe.engine.elastic_setup import (
@@ -97,7 +97,8 @@ class Replica:
         return [p.poll() for p in self.procs]
 
 
-def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None) -> int:
+def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None,
+                   start_method: str = "forkserver") -> int:
     args = train_args(rest)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--config")
@@ -135,15 +136,17 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None)
     interrupted = threading.Event()
     previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
     t0 = time.time()
-    cmd = [sys.executable, "-m", "thinpipe", *[a for a in args if a not in ("--overwrite", "--resume")], "--engine",
-           "elastic"]
+    argv = [*[a for a in args if a not in ("--overwrite", "--resume")], "--engine", "elastic"]
+    # each replica's stages forked from a server that has imported torch, torchft and the engine (rank_starter.py)
+    starter = RankStarter(["thinpipe.engine.elastic_rank", "thinpipe.cli"], os.environ.get("OMP_NUM_THREADS", "1"),
+                          start_method)
     keys = contextlib.ExitStack()  # the job key's folder goes when the replicas have stopped
     try:
         key_env = {**keys.enter_context(job_key_env()), BIND_ENV: LOOPBACK}
         for rep in replicas:
             rep.env = key_env
-            _start(rep, cmd, pp, address, out, t0)
-        code = _supervise(replicas, cmd, pp, address, out, t0, max_restarts, interrupted)
+            _start(rep, starter, argv, pp, address, out, t0)
+        code = _supervise(replicas, starter, argv, pp, address, out, t0, max_restarts, interrupted)
         if code == INTERRUPTED:
             say("[thinpipe launch] interrupted: stopping every replica")
             return code
@@ -177,24 +180,24 @@ def start_lighthouse(e) -> tuple[LighthouseServer, str]:
     return lighthouse, f"http://{advertised(addr)}:{port}"
 
 
-def _start(rep: Replica, cmd: list[str], pp: int, lighthouse: str, out: Path, t0: float) -> None:
+def _start(rep: Replica, starter: RankStarter, argv: list[str], pp: int, lighthouse: str, out: Path, t0: float) -> None:
     port = free_port()
     rep.procs = []
     for s in range(pp):
         env = {**os.environ, **rep.env, "RANK": str(s), "WORLD_SIZE": str(pp), "LOCAL_RANK": str(s),
                "LOCAL_WORLD_SIZE": str(pp), "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port),
-               "THINPIPE_WATCH_PARENT": "1",
+               WATCH_ENV: str(os.getpid()),
                REPLICA_ENV: str(rep.index), RESTART_ENV: str(rep.attempt), LIGHTHOUSE_ENV: lighthouse,
                RESUME_ENV: "1" if rep.resume else "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        rep.procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        rep.procs.append(starter.start(argv, env, f"thinpipe replica {rep.index} stage {s} (restart {rep.attempt})"))
     rep.state = "running"
     append_event(out, "replica_started" if rep.restarts == 0 else "replica_restarted", replica=rep.index,
                  restart=rep.attempt, wall_s=round(time.time() - t0, 3), folder=replica_folder(out, rep.index,
                                                                                                rep.attempt).name)
 
 
-def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: float, max_restarts: int,
-               interrupted: threading.Event) -> int:
+def _supervise(replicas: list[Replica], starter: RankStarter, argv: list[str], pp: int, lighthouse, out: Path,
+               t0: float, max_restarts: int, interrupted: threading.Event) -> int:
     while True:
         if interrupted.is_set():
             return INTERRUPTED
@@ -202,7 +205,7 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
             if rep.state != "running":
                 continue
             codes = rep.codes()
-            failed = [(s, c) for s, c in enumerate(codes) if c not in (None, 0)]
+            failed = failures(codes)
             if failed:
                 stage, code = failed[0]
                 stop(rep.procs, grace_s=5.0)
@@ -225,7 +228,7 @@ def _supervise(replicas: list[Replica], cmd, pp, lighthouse, out: Path, t0: floa
                     rep.restarts += 1
                     rep.top = rep.attempt = rep.top + 1  # a new folder; it recovers from a live peer
                     rep.resume = False
-                    _start(rep, cmd, pp, lighthouse, out, t0)
+                    _start(rep, starter, argv, pp, lighthouse, out, t0)
                 else:
                     rep.state = "given_up"
                     say(f"[thinpipe launch] replica {rep.index} lost (stage {stage}: {how(code)}) after {max_restarts} "

@@ -48,6 +48,13 @@ def how(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
 
 
+def failures(codes: list[int | None]) -> list[tuple[int, int]]:
+    """(index, exit status) of the processes that failed, those a signal ended first: seen at one look, a rank
+    killed and its peer that exited on the broken link, the killed one is the root cause."""
+    failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    return sorted(failed, key=lambda ic: ic[1] >= 0)
+
+
 def stop(procs: list[subprocess.Popen], grace_s: float = 10.0, terminate: bool = True) -> None:
     """SIGTERM (unless ``terminate`` is False), up to ``grace_s`` for them to exit, then SIGKILL."""
     for p in procs:

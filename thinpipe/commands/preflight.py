@@ -94,12 +94,18 @@ def claim_out(out: Path, resume: bool, overwrite: bool) -> None:
             shutil.rmtree(out / n) if (out / n).is_dir() and not (out / n).is_symlink() else (out / n).unlink()
 
 
-def check_run(run: Path) -> None:
+def check_run(run: Path | list[Path]) -> None:
+    """A run folder of any engine (or a dist job's machines' folders, several): a config and a checkpoint there,
+    the simulation's, a dist job's ranks' parts, or an elastic job's replica folders (``replica*/``)."""
     from thinpipe.checkpoint import has_checkpoint, refuse_legacy
 
-    if not (run / "config.toml").is_file() or not has_checkpoint(run):
-        refuse_legacy(run / "checkpoint")
-        raise ConfigError(f"--run {run}: no run with a checkpoint there; give the --out folder of a `thinpipe train` "
-                          "run")
+    runs = [Path(r) for r in (run if isinstance(run, list) else [run])]
+    configured = any((r / "config.toml").is_file() or any(r.glob("replica*/config.toml")) for r in runs)
+    held = any(has_checkpoint(r) or any(has_checkpoint(d) for d in r.glob("replica*") if d.is_dir()) for r in runs)
+    if not configured or not held:
+        for r in runs:
+            refuse_legacy(r / "checkpoint")
+        raise ConfigError(f"--run {' --run '.join(map(str, runs))}: no run with a checkpoint there; give the --out "
+                          "folder of a `thinpipe train` or `thinpipe launch` run")
 
 

@@ -85,6 +85,10 @@ class DiLoCo(DiLoCoKind, DPScheme):
     def agree_after(self, step: int) -> bool:
         return (step + 1) % self.cfg.inner_steps == 0
 
+    def synchronised(self) -> dict[str, torch.Tensor]:
+        """The outer (global) weights: every replica's weights after the last outer step."""
+        return {n: p.detach() for n, p in self.state.global_params.items()}
+
     def state_dict(self) -> dict:
         return {"psgd": self.compressor.state_dict() if self.compressor else None, "diloco": self.state.state_dict()}
 

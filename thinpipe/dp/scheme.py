@@ -9,6 +9,7 @@ the stage's trained parameters and its DP group, and calls
   ``after_step(step)``          after it: DiLoCo's outer step, Streaming DiLoCo's fragment posts and finishes
   ``state_dict()`` / ``load_state_dict(state)``   its checkpointed state; loading re-posts what was in flight
   ``repost()``                  the DP group was rebuilt (elastic replicas changed): re-post what is in flight
+  ``synchronised()``            the weights the replicas agree on (DiLoCo's outer weights), for an export
 
 each a generator that yields a ``comm/protocols.py: Work`` whenever it posted a collective, so the
 simulation's lockstep driver and a real rank drive it unchanged. What the planner, its advice and the
@@ -56,6 +57,12 @@ class DPScheme(DPKind):
     def agree_after(self, step: int) -> bool:
         """Whether every replica's trained weights are equal once step ``step``'s hooks have run."""
         return self.replicas_agree_every_step
+
+    def synchronised(self) -> dict[str, torch.Tensor] | None:
+        """The trained weights every replica holds alike (by parameter name), when they are not this rank's own:
+        the job's model, which a run's export takes (docs/data.md, "A run's model"). None: the rank's own weights
+        are (a scheme whose replicas agree every step)."""
+        return None
 
     # state ------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -162,6 +162,10 @@ class StreamingDiLoCo(StreamingDiLoCoKind, DPScheme):
     def agree_after(self, step: int) -> bool:
         return False  # mixing keeps each replica's local weights its own (only the global copies agree)
 
+    def synchronised(self) -> dict[str, torch.Tensor]:
+        """The global copies: each fragment's weights after its last outer step, alike on every replica."""
+        return {n: p.detach() for n, p in self.state.global_params.items()}
+
     def state_dict(self) -> dict:
         return {"psgd": self.compressor.state_dict() if self.compressor else None,
                 "streaming": self.state.state_dict(),

@@ -31,6 +31,7 @@ from thinpipe.comm.dist_group import DistGroup
 from thinpipe.comm.dist_transport import DistTransport, broadcast_payload, job_wire
 from thinpipe.comm.jobkey import job_key
 from thinpipe.comm.meter import AXES, ByteMeter
+from thinpipe.comm.orphan import exit_with_launcher
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.tags import Params
@@ -43,7 +44,6 @@ from thinpipe.engine.dist_setup import (
     agreed_set,
     anchor_rank,
     check_supported,
-    exit_with_launcher,
     held_state,
 )
 from thinpipe.engine.loop import run

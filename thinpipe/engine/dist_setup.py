@@ -8,9 +8,6 @@ here; an anchor rank is built by ``anchor_rank`` (``anchor/dist_rank.py``).
 
 from __future__ import annotations
 
-import os
-import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +22,6 @@ from thinpipe.comm.groups import ProcessGroups
 from thinpipe.comm.meter import ByteMeter
 from thinpipe.comm.shaped import MeshLinks
 from thinpipe.config import Config, ConfigError
-from thinpipe.console import say
 from thinpipe.data import PackedDataset
 from thinpipe.faults import bench_whole_model
 from thinpipe.layout import MeshLayout, Role
@@ -122,19 +118,3 @@ def agreed_set(folder: Path, rank: int, world_size: int, group=None, members: in
     return step, state
 
 
-def exit_with_launcher() -> None:
-    """Exit this rank when its torchrun agent dies (SIGKILL, lost node): torchrun starts each rank in
-    its own session, so nothing else would stop an orphaned rank, which would keep training and
-    holding its machine. Only for ranks a launcher started (torchrun sets TORCHELASTIC_RUN_ID,
-    ``thinpipe launch --netns`` sets THINPIPE_WATCH_PARENT=1)."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ and os.environ.get("THINPIPE_WATCH_PARENT") != "1":
-        return
-    parent = os.getppid()
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        say(f"[thinpipe rank {os.environ.get('RANK', '?')}] its launcher (pid {parent}) is gone: exiting")
-        os._exit(1)
-
-    threading.Thread(target=watch, name="thinpipe-launcher-watch", daemon=True).start()

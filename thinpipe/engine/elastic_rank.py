@@ -51,6 +51,7 @@ from thinpipe.comm.bind import bind_address, point_gloo_at
 from thinpipe.comm.jobkey import job_key
 from thinpipe.comm.managed import ManagedGroup
 from thinpipe.comm.meter import AXES
+from thinpipe.comm.orphan import exit_with_launcher
 from thinpipe.comm.recovery import SafeTransport
 from thinpipe.comm.rendezvous import init_gloo
 from thinpipe.comm.shaped import MeshLinks
@@ -58,7 +59,7 @@ from thinpipe.config import Config, ConfigError
 from thinpipe.config.env import dist_timeout_s, env_int
 from thinpipe.console import say
 from thinpipe.engine.dist_engine import DistEngine
-from thinpipe.engine.dist_setup import RankSetup, exit_with_launcher, held_state
+from thinpipe.engine.dist_setup import RankSetup, held_state
 from thinpipe.engine.elastic_setup import (
     LIGHTHOUSE_ENV,
     REPLICA_ENV,

@@ -1,8 +1,9 @@
 """Run folders: load one back (mesh, merged model), export one.
 
 A run folder holds ``config.toml`` and ``checkpoint/`` (``engine/loop.py`` writes them). Loading rebuilds
-the mesh of the run's own config and restores the simulation's newest checkpoint that verifies into
-it (``thinpipe/checkpoint.py``: safetensors + JSON, nothing in a run folder can run code).
+the mesh of the run's own config and restores the newest checkpoint that verifies into it: the simulation's,
+or a dist or elastic job's ranks' parts (``engine/run_parts.py``; ``thinpipe/checkpoint.py``: safetensors +
+JSON, nothing in a run folder can run code).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 from thinpipe.checkpoint import latest_complete, refuse_legacy, restoring
-from thinpipe.config import ConfigError, load_config
+from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.console import say
+from thinpipe.engine.run_parts import REPLICA_FOLDER, has_parts, mesh_state, read_parts
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import merge_stages
 from thinpipe.models.lora import merge_lora
@@ -23,29 +27,81 @@ from thinpipe.rank.from_config import load
 from thinpipe.runlock import check_out_path
 
 
-def load_mesh(run_dir: str | Path, device: str = "cpu"):
-    """(config, mesh restored from the checkpoint on ``device`` (a ``train.device`` value), LoadedModel)
-    of a finished or checkpointed run; the checkpoint loads on any device, whatever it trained on."""
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(f"{run_dir} is not a thinpipe run folder (no config.toml): give the --out folder of a "
-                          "`thinpipe train` run")
-    found = latest_complete(run_dir / "checkpoint", "mesh", warn=say)
-    if found is None:
-        refuse_legacy(run_dir / "checkpoint")
-        raise ConfigError(f"{run_dir} holds no checkpoint of the simulation (checkpoint/step*/mesh.*); a dist run's "
-                          "per-rank checkpoints are resumed with --engine dist")
-    cfg = load_config(run_dir / "config.toml")
+def run_config(runs: list[Path]) -> Config:
+    """The config of the job whose folders ``runs`` are: the ``config.toml`` its lead rank wrote (a dist job's
+    other machines write none; an elastic job's is in each replica folder), the same in every folder that has
+    one."""
+    found: list[tuple[Path, bytes]] = []
+    for run in runs:
+        for f in [run / "config.toml", *sorted(run.glob(f"{REPLICA_FOLDER}*/config.toml"))[:1]]:
+            if f.is_file():
+                found.append((f, f.read_bytes()))
+                break
+    if not found:
+        where = runs[0] if len(runs) == 1 else ", ".join(map(str, runs))
+        raise ConfigError(f"{where} is not a thinpipe run folder (no config.toml): give the --out folder of a "
+                          "`thinpipe train` or `thinpipe launch` run (of a job across machines: rank 0's machine's)")
+    for f, text in found[1:]:
+        if text != found[0][1]:
+            raise ConfigError(f"{f} and {found[0][0]} configure different jobs: give the folders of one job")
+    return load_config(found[0][0])
+
+
+def load_mesh(run_dir: str | Path | list, device: str = "cpu"):
+    """(config, mesh restored from the run's newest checkpoint on ``device`` (a ``train.device`` value),
+    LoadedModel) of a finished or checkpointed run of any engine: the simulation's, a dist job's (its
+    ranks' parts, in one folder or in several machines' folders: ``run_dir`` a list) or an elastic job's
+    (``engine/run_parts.py``). The checkpoint loads on any device, whatever it trained on."""
+    runs = [Path(r) for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
+    cfg = run_config(runs)
+    parts = read_parts(runs, cfg.mesh.dp, cfg.mesh.pp, cfg.mesh.anchor) if any(has_parts(r) for r in runs) else None
+    found = latest_complete(runs[0] / "checkpoint", "mesh", warn=say) if parts is None and len(runs) == 1 else None
+    if parts is None and found is None:
+        refuse_legacy(runs[0] / "checkpoint")
+        raise ConfigError(f"{', '.join(map(str, runs))} holds no checkpoint (checkpoint/step*/: the simulation's, a "
+                          "dist job's ranks' parts or an elastic job's replicas'): the run wrote none yet")
     dev = resolve_device(device)
     loaded = load(cfg)
     mesh = SimMesh(loaded.model, cfg, dev)
-    with restoring(run_dir / "checkpoint"):  # a hand-edited part whose digests verify: one line
-        mesh.load_state_dict(found[1]["mesh"])
+    # a dist job's parts: the anchor circuit's hold no weights of the model and are not read
+    if parts is not None:
+        state = mesh_state(parts, mesh.boundaries)
+    else:
+        assert found is not None
+        state = found[1]["mesh"]
+    with restoring(runs[0] / "checkpoint"):  # a hand-edited part whose digests verify: one line
+        mesh.load_state_dict(state)
+    synchronise(mesh, state["step"])
     return cfg, mesh, loaded
 
 
-def load_run(run_dir: str | Path, device: str = "cpu"):
-    """(config, merged Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run."""
+def synchronise(mesh: SimMesh, steps: int) -> None:
+    """Replica 0's stages become the job's model, by one rule for every engine: the weights every replica holds
+    alike. A DP scheme whose replicas differ between syncs (DiLoCo, Streaming DiLoCo) says which they are (its
+    outer weights, ``DPScheme.synchronised``); where replicas must agree after the run's last step (all-reduce,
+    PowerSGD), they are checked to."""
+    for s, rk in enumerate(mesh.ranks[0]):
+        agreed = rk.dp_scheme.synchronised()
+        if agreed is not None:
+            params = dict(rk.trained())
+            with torch.no_grad():
+                for name, w in agreed.items():
+                    params[name].copy_(w.to(params[name].device))
+            continue
+        if steps == 0 or not rk.dp_scheme.agree_after(steps - 1):
+            continue
+        mine = rk.trained()
+        for other in mesh.ranks[1:]:
+            for (name, p), (_, q) in zip(mine, other[s].trained()):
+                if not torch.equal(p, q):
+                    raise ConfigError(f"replica {other[s].replica}'s stage {s} differs from replica 0's in {name}, "
+                                      f"though dp.kind = {mesh.cfg.dp.kind} keeps every replica alike: the checkpoint "
+                                      "does not hold one step of one job")
+
+
+def load_run(run_dir: str | Path | list, device: str = "cpu"):
+    """(config, merged Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run (any
+    engine, ``load_mesh``)."""
     cfg, mesh, loaded = load_mesh(run_dir, device)
     if any(b.architectural for b in mesh.boundaries):  # the boundary kind says it is part of the model
         raise ConfigError(f"{run_dir} trained with boundary.kind = {cfg.boundary.kind}, "
@@ -153,16 +209,19 @@ def _remove_export(folder: Path, written: set[str]) -> None:
         say(f"[thinpipe] warning: {folder} keeps files the earlier export did not write; left in place")
 
 
-def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    """Write replica 0's weights as a Hugging Face folder that ``from_pretrained`` loads, with
+def export(run_dir: str | Path | list, out: str | Path, overwrite: bool = False) -> Path:
+    """Write the job's model (``load_run``: any engine; a dist job's machines' folders, a list) as a Hugging Face
+    folder that ``from_pretrained`` loads, with
     ``thinpipe-export.json`` naming the files written. ``out`` is new, empty, or (with ``overwrite``) an
     earlier export holding only its own files; never the run, a folder inside it or one containing it."""
-    run_dir, out = Path(run_dir).resolve(), Path(out)
+    runs = [Path(r).resolve() for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
+    out = Path(out)
     check_out_path(out)
     out = out.resolve()
-    refuse_nested(run_dir, out, f"--run {run_dir} and --out {out}")
+    for r in runs:
+        refuse_nested(r, out, f"--run {r} and --out {out}")
     written = _earlier_export(out, overwrite)
-    _, model, tokenizer = load_run(run_dir)
+    _, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
     old = None
@@ -170,7 +229,8 @@ def export(run_dir: str | Path, out: str | Path, overwrite: bool = False) -> Pat
         model.save_pretrained(tmp)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"run": str(run_dir), "files": sorted(_files(tmp))}, indent=1))
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"run": str(runs[0]) if len(runs) == 1 else list(map(str, runs)),
+                                                     "files": sorted(_files(tmp))}, indent=1))
         if written is not None:  # the earlier export moves aside, the new one takes its place
             old = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-old-"))
             out.rename(old / "export")

@@ -240,7 +240,7 @@ class SimMesh:
             state = {**state, "ranks": self._ranks_from_v1(state)}
         self.step_index = state["step"]
         self.priors_consumed = state["priors_consumed"]
-        if self.anchor is not None:
+        if self.anchor is not None and state["anchor"] is not None:  # None: a dist job's model (run_parts.py)
             self.anchor.load_state_dict(state["anchor"])
         for bounds, saved in zip(self.replica_boundaries, state.get("boundaries") or []):
             for b, sd in zip(bounds, saved):

@@ -7,7 +7,6 @@ import torch
 from transformers import LlamaConfig
 
 from tests.helpers import config
-from tests.integration.test_dist import one_thread  # noqa: F401  (a fixture)
 from thinpipe.config import ConfigError
 from thinpipe.config.train import LoraConfig
 from thinpipe.data.bpe_tokenizer import SPECIAL, train_bpe

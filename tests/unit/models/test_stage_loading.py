@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tests.helpers import assert_same_run_files, config, tiny_model
-from tests.integration.test_dist import launch, one_thread  # noqa: F401  (one_thread: a fixture)
+from tests.integration.test_dist import launch
 from thinpipe.cli import main
 from thinpipe.config import ConfigError
 from thinpipe.models import build_stages
