@@ -112,6 +112,14 @@ def assert_same_model(a, b):
             assert same_tree(sa[k], sb[k]), k
 
 
+def assert_same_model_folder(a, b):
+    """Two Hugging Face folders' weights, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(wa[k].dtype == wb[k].dtype and torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def same_tree(a, b) -> bool:
     """Equal bitwise: tensors (dtype and values), and dicts, lists and plain values holding them."""
     if isinstance(a, torch.Tensor):

@@ -50,7 +50,7 @@ IMPLEMENTATIONS = {
 def test_the_interfaces_are_what_the_loop_and_the_objectives_call():
     assert methods(Engine) == ["residual_start", "before_step", "commit_step", "tokens_seen", "grad_norm",
                                "bytes_total", "captured_energy", "diagnostics", "weights_finite", "save", "load",
-                               "finish", "summary_extras"]
+                               "finish", "write_model", "summary_extras"]
     assert attributes(Engine) == ["lead", "world_size", "objective"]
     assert methods(Objective) == ["start", "residual_batches", "step", "anchor_rows", "validation",
                                   "validation_metrics", "metrics", "state_dict", "load_state_dict"]

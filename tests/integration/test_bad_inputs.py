@@ -241,6 +241,8 @@ CASES = [
     Case("lora-rank", "train.lora.rank = -1", [*TRAIN, "--set", "train.lora.rank=-1"], "train.lora needs rank >= 0"),
     Case("lora-dropout", "train.lora.dropout = 1", [*TRAIN, "--set", "train.lora.dropout=1"], "0 <= dropout < 1"),
     Case("eval-limit", "eval.limit = 0", [*TRAIN, "--set", "eval.limit=0"], "eval.limit must be >= 1"),
+    Case("eval-tasks-train", "eval.tasks during training", [*TRAIN, "--set", "eval.tasks=[\"arc_easy\"]"],
+         "are not run during training yet"),
     Case("diag-every", "diag.every = -1", [*TRAIN, "--set", "diag.every=-1"], "diag.every must be >= 0"),
     Case("bool-word", "train.deterministic = perhaps", [*TRAIN, "--set", "train.deterministic=perhaps"],
          "train.deterministic expects true or false"),

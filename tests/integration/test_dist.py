@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from tests.helpers import assert_same_model, assert_same_run_files
+from tests.helpers import assert_same_model, assert_same_model_folder, assert_same_run_files
 from thinpipe.checkpoint import load_part, sets
 from thinpipe.cli import main
 
@@ -119,10 +119,43 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
         [f"rank{r}.sha256" for r in range(nproc)]
     if case in MODEL_CASES:  # the job's model read back from the ranks' parts is the simulation's (issue 50)
         assert_same_model(dist_out, sim)
+        # and the model the job wrote at its end (gathered to rank 0) is the simulation's, tensor for tensor; a
+        # boundary that is part of the model writes none in either engine
+        if "MAPL" in case:
+            assert not (dist_out / "model").exists() and not (sim / "model").exists()
+        else:
+            assert_same_model_folder(dist_out / "model", sim / "model")
     if case == "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row":
         check_parts_on_two_machines(dist_out, sim, tmp_path)
     if case == "mask + PowerSGD, 2 replicas x 2 stages":
         check_commands_take_a_dist_run(dist_out, sim, tmp_path)
+
+
+@pytest.mark.dist
+def test_a_job_on_two_machines_ends_with_its_model_on_rank_0s(tmp_path):
+    """A job as two machines run it: two torchrun launchers on this host (``--nnodes 2``), each with its own
+    ``--out``. Node 1's stages (2 and 3 of a 4-stage pipeline) send their shares of the model to rank 0 over the
+    job's wire: node 0's folder ends with ``OUT/model/``, node 1's holds its ranks' checkpoint parts and no model,
+    and ``export --run A --run B`` of the two folders writes the same tensors."""
+    from thinpipe.comm.jobkey import KEY_ENV, write_key_file
+    from thinpipe.commands.launching import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", KEY_ENV: str(write_key_file(tmp_path / "job.key"))}
+    port = free_port()
+    args = [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=4", "--set", "train.steps=2"]
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+                               "--node-rank", str(n), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m",
+                               "thinpipe", "train", "--engine", "dist", "--out", str(tmp_path / f"node{n}"), "--quiet",
+                               *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for n in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    assert (a / "model" / "config.json").is_file() and not (b / "model").exists() and not (b / "config.toml").exists()
+    assert sorted(p.name for p in (b / "checkpoint").glob("*/*.sha256")) == ["rank2.sha256", "rank3.sha256"]
+    assert json.loads((a / "summary.json").read_text())["model_bytes"] > 0
+    assert main(["export", "--run", str(a), "--run", str(b), "--out", str(tmp_path / "x")]) == 0
+    assert_same_model_folder(tmp_path / "x", a / "model")
 
 
 def check_commands_take_a_dist_run(dist_out, sim, tmp_path):
@@ -170,6 +203,7 @@ def check_parts_on_two_machines(dist_out, sim, tmp_path):
     assert main(["export", "--run", str(a), "--run", str(b), "--out", str(tmp_path / "x_dist")]) == 0
     want, got = (load_file(tmp_path / x / "model.safetensors") for x in ("x_sim", "x_dist"))
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert_same_model_folder(tmp_path / "x_sim", sim / "model")  # export --run == the model the run wrote at its end
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main(["export", "--run", str(a), "--out", str(tmp_path / "x_a")]) == 2  # machine 1's parts absent

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import assert_same_model
+from tests.helpers import assert_same_model, assert_same_model_folder
 from thinpipe.checkpoint import CheckpointError, load_part, sets
 from thinpipe.cli import main
 from thinpipe.comm.managed import ManagedGroup
@@ -212,6 +212,8 @@ def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, sch
     # a job folder is a run folder: its model is the dist job's (with DiLoCo after 5 steps: the outer weights)
     assert main(["compare", str(tmp_path / "dist"), str(tmp_path / "el"), "--json"]) == 0
     assert_same_model(tmp_path / "el", tmp_path / "dist")
+    assert_same_model_folder(tmp_path / "el" / "model", tmp_path / "dist" / "model")  # the launcher wrote it
+    assert job["model"] == "model"
 
 
 @pytest.mark.dist

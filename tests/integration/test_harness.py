@@ -93,10 +93,18 @@ def test_harness_through_the_mesh_equals_lm_evals_hf_backend(harness_setup, caps
 
 
 @pytest.mark.slow
-def test_builtin_offline_tasks_run_and_medmcqa_is_lm_evals_task(harness_setup, tmp_path, capsys):
+def test_builtin_offline_tasks_run_and_medmcqa_is_lm_evals_task(harness_setup, tmp_path, capsys, monkeypatch):
     """thinpipe_medmcqa / _xsum / _narrativeqa run offline with their metrics; thinpipe_medmcqa through the mesh
-    equals lm-eval's own medmcqa task (its YAML, dataset replaced by the same local rows) through `hf`."""
+    equals lm-eval's own medmcqa task (its YAML, dataset replaced by the same local rows) through `hf`. IFEval
+    without nltk's punkt_tab is refused in one line before any model runs."""
     import lm_eval
+    import nltk
+
+    with monkeypatch.context() as m:
+        m.setattr(nltk.data, "path", [str(tmp_path)])
+        assert main(["eval", "--model", "tiny-llama", "--harness", "ifeval"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "punkt_tab" in err[0] and "NLTK_DATA" in err[0], err
 
     from thinpipe.data.fetch import cache_dir
 
@@ -161,3 +169,39 @@ def test_token_f1_and_rouge1_hand_computed():
     # ROUGE-1 F on stemmed unigrams: "cats are running" vs "the cat runs": stems cat, are, run / the, cat, run:
     # 2 of 3 both ways: F = 2/3 (the generation's first non-empty line is the summary)
     assert xsum_results({"summary": "the cat runs"}, ["\ncats are  running\nmore"])["rouge1"] == pytest.approx(2 / 3)
+
+
+IFEVAL_CHECK = """
+import json, sys
+from lm_eval.tasks.ifeval import utils
+def doc(ids, kwargs):
+    return {"key": 0, "instruction_id_list": ids, "kwargs": kwargs, "prompt": "p"}
+cases = [(doc(["punctuation:no_comma"], [{}]), "hi there"), (doc(["punctuation:no_comma"], [{}]), "hi, there"),
+         (doc(["length_constraints:number_words"], [{"relation": "less than", "num_words": 4}]), "one two three"),
+         (doc(["length_constraints:number_words"], [{"relation": "less than", "num_words": 4}]), "one two three four"),
+         (doc(["language:response_language"], [{"language": "en"}]), "This is plainly a sentence written in English."),
+         (doc(["language:response_language"], [{"language": "en"}]), "Ceci est une phrase entierement en francais.")]
+print(json.dumps([utils.process_results(d, [r])["prompt_level_strict_acc"] for d, r in cases]))
+"""
+
+
+def test_lm_evals_ifeval_task_scores_with_the_pinned_dependencies(tmp_path):
+    """``--harness ifeval`` runs lm-eval's own task: its module imports (langdetect, immutabledict, nltk: brought
+    by requirements.txt and the ``harness`` extra) and its checkers score, given nltk's ``punkt_tab`` (here a
+    parameter-less stand-in in the format nltk reads: sentence splitting needs no learned abbreviations for
+    these answers) and a local copy of its rows (docs/eval.md). A fresh process: lm-eval looks for punkt_tab
+    while importing the task."""
+    import os
+    import subprocess
+    import sys
+
+    english = tmp_path / "tokenizers" / "punkt_tab" / "english"
+    english.mkdir(parents=True)
+    for name in ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "ortho_context.tab"):
+        (english / name).write_text("")
+    out = subprocess.run([sys.executable, "-c", IFEVAL_CHECK], env={**os.environ, "NLTK_DATA": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Error loading" not in out.stdout + out.stderr  # found locally: no download tried
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [True, False, True, False, True, False]
+

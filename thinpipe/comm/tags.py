@@ -158,8 +158,21 @@ class SampledTokens(Tag):
         return row[-1], row[self.stage]
 
 
+@dataclass(frozen=True)
+class ModelShare(Tag):
+    """The end of a job (``engine/job_model.py``): fast replica 0's stage ``stage`` -> global rank ``to``, that
+    stage's share of the job's model."""
+
+    stage: int
+    to: int
+    CHANNEL: ClassVar[int] = 13
+
+    def ends(self, layout) -> tuple[int, int]:
+        return layout.grid[0][self.stage], self.to
+
+
 TAG_TYPES = (Activation, Gradient, ParamGrads, Params, TiedGrad, EvalActivation, AnchorCycle, Pull, Push, RefreshUp,
-             RefreshDown, SampledTokens)
+             RefreshDown, SampledTokens, ModelShare)
 _channels = [t.CHANNEL for t in TAG_TYPES]
 assert len(set(_channels)) == len(_channels), "two message kinds share a channel"
 

@@ -150,7 +150,12 @@ def launch_elastic(rest: list[str], max_restarts: int, nproc: int | None = None,
         if code == INTERRUPTED:
             say("[thinpipe launch] interrupted: stopping every replica")
             return code
-        summary = elastic_summary(out, cfg)
+        model = None
+        if code == 0:  # the job's model on this machine, from the replicas' folders (docs/data.md)
+            from thinpipe.engine.run_folder import write_run_model  # the model libraries: loaded at the end only
+
+            model = write_run_model(out)
+        summary = elastic_summary(out, cfg, model)
         say(f"[thinpipe launch] elastic job {'done' if code == 0 else f'ended with exit code {code}'}: "
             f"{summary['replicas_finished']} of {dp} replicas finished, {summary['restarts']} restarts, "
             f"{summary['steps_redone']} steps redone; {out / 'summary.json'}")
@@ -281,7 +286,7 @@ def resume_plan(out: Path, dp: int) -> list[Replica]:
     return plan
 
 
-def elastic_summary(out: Path, cfg) -> dict:
+def elastic_summary(out: Path, cfg, model: Path | None = None) -> dict:
     """``OUT/summary.json`` and ``OUT/metrics.jsonl`` of a whole elastic job, from its replicas' folders and events.
 
     metrics.jsonl: for every step, the row of the first replica (lowest index, then latest restart)
@@ -327,7 +332,7 @@ def elastic_summary(out: Path, cfg) -> dict:
         "steps_redone": len({e["step"] for e in events if e["event"] == "rolled_back"}),
         "replica_steps_missed": missed, "rejoins": rejoins,
         "quorum_changes": [{k: q[k] for k in ("step", "members", "left", "joined")} for q in quorum],
-        "replica_summaries": summaries,
+        "replica_summaries": summaries, "model": model.name if model is not None else None,
         **code_stamp(),  # the launcher's code (each replica's summary carries its own)
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

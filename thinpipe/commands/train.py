@@ -113,3 +113,5 @@ def print_summary(summary: dict, out: Path) -> None:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     print(f"results in {out}/ (summary.json, metrics.jsonl, loss.png)")
+    if summary.get("model"):
+        print(f"the model in {out / summary['model']}/ (AutoModelForCausalLM.from_pretrained loads it)")

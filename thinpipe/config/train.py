@@ -156,12 +156,18 @@ class EvalConfig:
     every: int = 0
     """Validation loss every N steps (0 = only at the start and the end)."""
     tasks: list[str] = field(default_factory=list)
-    """Multiple-choice tasks run after training (e.g. ``["arc_easy"]``); empty = none."""
+    """Multiple-choice tasks to run during training (e.g. ``["arc_easy"]``): not run yet (issue 50), so a
+    non-empty list is refused rather than ignored; evaluate the finished run with ``thinpipe eval --run OUT
+    --tasks ...``."""
     limit: int = 100
-    """Items per multiple-choice task."""
+    """Items per multiple-choice task (with ``tasks``)."""
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"eval.every must be >= 0, got {self.every}")
+        if self.tasks:
+            raise ConfigError(f"eval.tasks = {self.tasks} are not run during training yet: leave eval.tasks empty "
+                              f"and evaluate the finished run with `thinpipe eval --run OUT --tasks "
+                              f"{','.join(self.tasks)}`")
         if self.limit < 1:
             raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")

@@ -34,7 +34,7 @@ from thinpipe.comm.meter import AXES, ByteMeter
 from thinpipe.comm.orphan import exit_with_launcher
 from thinpipe.comm.payload import Payload
 from thinpipe.comm.rendezvous import init_gloo
-from thinpipe.comm.tags import Params
+from thinpipe.comm.tags import ModelShare, Params
 from thinpipe.config import Config, ConfigError
 from thinpipe.config.env import dist_timeout_s
 from thinpipe.console import say
@@ -45,6 +45,17 @@ from thinpipe.engine.dist_setup import (
     anchor_rank,
     check_supported,
     held_state,
+)
+from thinpipe.engine.job_model import (
+    architectural_line,
+    flat,
+    flat_expect,
+    model_share,
+    model_summary,
+    share_bytes,
+    skeleton,
+    unflat,
+    write_model,
 )
 from thinpipe.engine.loop import run
 from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at_step
@@ -259,6 +270,26 @@ class DistEngine:
         rows = self.gather(extra)
         for i, a in enumerate(AXES):
             self._bytes[a] += int(sum(float(r[i]) for r in rows))
+
+    def write_model(self, dest: Path) -> dict:
+        """``OUT/model/`` on global rank 0 (``engine/job_model.py``): replica 0's other stages send it their shares
+        over the eval wire (authenticated, not training's bytes; ``model_bytes``)."""
+        if any(b.architectural for b in self.bounds):
+            if self.lead:
+                say(architectural_line(self.cfg))
+            return {"model": None, "model_bytes": 0}
+        if self.role.replica != 0:
+            return {}
+        share = model_share(self.stage, self.rk.dp_scheme)
+        if not self.lead:
+            self.eval_transport.send(ModelShare(self.role.stage, 0), flat(share), None)
+            self.eval_transport.flush()
+            return {}
+        loaded, stages = skeleton(self.cfg)
+        shares = [share] + [unflat(self.eval_transport.recv(ModelShare(s, 0), flat_expect(stages[s])), stages[s])
+                            for s in range(1, self.layout.pp)]
+        write_model(loaded, shares, dest)
+        return model_summary(dest, sum(share_bytes(x) for x in shares[1:]))
 
     def summary_extras(self) -> dict:
         mine = [float(self.rk.trainable_count()), float(self.rk.model_count())] if self.role.replica == 0 else [0., 0.]

@@ -320,6 +320,11 @@ class ElasticEngine(DistEngine):
         self._restore = {"rank": state["rank"], "boundaries": state["boundaries"],
                          "objective": self.objective.state_dict()}
 
+    def write_model(self, dest: Path) -> dict:
+        """None here: the launcher writes the job's ``OUT/model/`` once every replica has ended, from the replica
+        folders (``commands/launch_elastic.py``: ``engine/run_folder.py: write_run_model``)."""
+        return {}
+
     def summary_extras(self) -> dict:
         return {**super().summary_extras(), "engine": "elastic", "replica": self.replica, "restart": self.restart,
                 "members_at_end": self._members, **self.stats}

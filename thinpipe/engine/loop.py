@@ -30,6 +30,7 @@ from thinpipe.comm.meter import AXES
 from thinpipe.config import Config, ConfigError, Diverged, load_config
 from thinpipe.console import say
 from thinpipe.dashboards import Dashboards
+from thinpipe.engine.job_model import MODEL_DIR
 from thinpipe.faults import nan_at_step
 from thinpipe.jsonl import read_rows
 from thinpipe.objective.base import Objective
@@ -64,6 +65,8 @@ class Engine(Protocol):
     def save(self, folder: Path, extra: dict) -> None: ...
     def load(self, folder: Path) -> tuple[int, dict]: ...        # (step, extra)
     def finish(self) -> None: ...
+    def write_model(self, dest: Path) -> dict: ...               # OUT/model/ (engine/job_model.py), every rank taking
+    #                                                              part; the lead's summary fields ({} elsewhere)
     def summary_extras(self) -> dict: ...
 
 
@@ -290,8 +293,10 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     final_val = objective.validation()
     val_points.append((t.steps, final_val))
     summary = _summary(engine, cfg, spec, rows.metrics, val_points, wall, recovery.rollbacks)
+    model = engine.write_model(out / MODEL_DIR)  # the job's model on one machine, after its last measurement
     if summary is None:
         return None
+    summary.update(model)
     final_more = objective.validation_metrics()
     summary.update({f"final_{k}": v for k, v in final_more.items()})
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -18,6 +18,7 @@ import torch
 from thinpipe.checkpoint import latest_complete, refuse_legacy, restoring
 from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.console import say
+from thinpipe.engine.job_model import MODEL_DIR, architectural_line, save_model
 from thinpipe.engine.run_parts import REPLICA_FOLDER, has_parts, mesh_state, read_parts
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import merge_stages
@@ -109,6 +110,19 @@ def load_run(run_dir: str | Path | list, device: str = "cpu"):
                           "`thinpipe eval --model RUN` evaluates it through its boundaries; "
                           "`thinpipe analyze --run RUN` inspects them")
     return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device), loaded.tokenizer
+
+
+def write_run_model(run_dir: Path) -> Path | None:
+    """``RUN/model/``: the job's model read back from its folder (an elastic job's replicas, once they have ended),
+    as the other engines write it at their end (``engine/job_model.py``); None (one line says why) for a boundary
+    kind that is part of the model."""
+    cfg, mesh, loaded = load_mesh(run_dir)
+    if any(b.architectural for b in mesh.boundaries):
+        say(architectural_line(cfg))
+        return None
+    dest = Path(run_dir) / MODEL_DIR
+    save_model(merge_lora(merge_stages(loaded.model, mesh.replicas[0])), loaded.tokenizer, dest)
+    return dest
 
 
 def refuse_nested(a: str | Path, b: str | Path, what: str) -> None:

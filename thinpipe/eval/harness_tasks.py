@@ -136,6 +136,31 @@ def check_tasks(tasks: list[str], manager) -> None:
                               "--harness-include DIR")
 
 
+def _needs_punkt(entry) -> bool:
+    """lm-eval's IFEval (or a YAML including it) scores word and sentence counts with nltk's ``punkt_tab``."""
+    cfg = entry.cfg or {}
+    return entry.yaml_path is not None and (Path(entry.yaml_path).parent.name == "ifeval"
+                                            or "ifeval" in str(cfg.get("process_results", ""))
+                                            or "ifeval" in str(cfg.get("include", "")))
+
+
+def check_task_data(tasks: list[str], manager) -> None:
+    """Data a task's scorer reads beside its rows, present before any model runs: IFEval's ``punkt_tab`` (lm-eval
+    would try to download it while importing the task and, offline, fail later in the scoring)."""
+    import nltk
+
+    for t in tasks:
+        entry = manager.task_index.get(t)
+        if entry is None or not _needs_punkt(entry):
+            continue
+        try:
+            nltk.data.find("tokenizers/punkt_tab")
+        except LookupError:
+            raise ConfigError(f"--harness {t}: its scorer counts words and sentences with nltk's punkt_tab, which is "
+                              "not installed here: run python -m nltk.downloader punkt_tab where there is internet "
+                              "and copy nltk_data/ here (or point NLTK_DATA at it)") from None
+
+
 def harness_tasks(spec: str, include: str | None) -> tuple[list[str], list[str]]:
     """(task names, include paths) of ``--harness`` and ``--harness-include``, checked."""
     tasks = [t.strip() for t in spec.split(",") if t.strip()]
@@ -147,5 +172,7 @@ def harness_tasks(spec: str, include: str | None) -> tuple[list[str], list[str]]
             raise ConfigError(f"--harness-include {include}: not a folder; give the folder of your task YAMLs")
         paths.append(str(Path(include).resolve()))
     paths.insert(0, str(builtin_folder(tasks)))
-    check_tasks(tasks, task_manager(tuple(paths)))
+    manager = task_manager(tuple(paths))
+    check_tasks(tasks, manager)
+    check_task_data(tasks, manager)
     return tasks, paths

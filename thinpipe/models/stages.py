@@ -213,10 +213,16 @@ def tied_pair(stages: list[Stage]) -> tuple[nn.Parameter, nn.Parameter] | None:
 
 def merge_stages(template: nn.Module, stages: list[Stage]) -> nn.Module:
     """A standalone Hugging Face model holding the stages' current weights (for eval and export)."""
-    model = copy.deepcopy(template)
     state = {}
     for stage in stages:
         state.update({k: v.detach().clone() for k, v in stage.hf_state_dict().items()})
+    return merge_state(template, state)
+
+
+def merge_state(template: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A standalone Hugging Face model: a copy of ``template`` holding ``state`` (every stage's ``hf_state_dict``
+    together, which must cover the model)."""
+    model = copy.deepcopy(template)
     if model.config.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             model.config.tie_word_embeddings = False

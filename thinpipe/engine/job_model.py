@@ -1,0 +1,128 @@
+"""The job's model on one machine at the end of training: ``OUT/model/``, a Hugging Face folder (docs/data.md,
+"A run's model").
+
+Every engine writes it the same way: each stage of replica 0 gives its share of the model, its weights under
+their Hugging Face names with the DP scheme's synchronised ones in place of its own (``model_share``:
+``DPScheme.synchronised``, DiLoCo's outer weights; the rule ``engine/run_folder.py: synchronise`` reads back),
+and one process puts the shares into the whole model (LoRA merged) and writes it. In the simulation they are in
+one process; in a dist job (one machine or several) the other stages send theirs to global rank 0 over the job's
+own authenticated point-to-point wire (``comm/tags.py: ModelShare``, checked against the shape rank 0 expects
+before anything is allocated), counted apart from training's bytes (``model_bytes`` in ``summary.json``). So a
+job across machines ends with its model on rank 0's machine, nothing to collect by hand; ``thinpipe export
+--run OUT`` of the same run writes the same tensors.
+
+Boundary kinds that are part of the model (MAPL, SSN, bottleneck) write no ``OUT/model/``: a plain Hugging Face
+model would drop them (one line says so; ``thinpipe eval --model OUT`` evaluates the run through them).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers.utils import logging as hf_logging
+
+from thinpipe.boundary.base import Payload
+from thinpipe.comm.header import Expect
+from thinpipe.config import Config
+from thinpipe.models.lora import merge_lora
+from thinpipe.models.stages import Stage, build_stages, hf_name, merge_state
+from thinpipe.rank.from_config import load
+
+MODEL_DIR = "model"
+
+
+def model_share(stage: Stage, scheme) -> dict[str, torch.Tensor]:
+    """Stage ``stage``'s part of the job's model: its weights under their Hugging Face names, the DP scheme's
+    synchronised weights (``DPScheme.synchronised``: the ones every replica holds alike) in place of its own."""
+    share = {k: v.detach().to("cpu", copy=True) for k, v in stage.hf_state_dict().items()}
+    for name, w in (scheme.synchronised() or {}).items():
+        share[hf_name(name)] = w.detach().to("cpu", copy=True)
+    return share
+
+
+def architectural_line(cfg: Config) -> str:
+    return (f"[thinpipe] no {MODEL_DIR}/ for this run: boundary.kind = {cfg.boundary.kind} is part of the model, which "
+            "a plain Hugging Face model would drop; `thinpipe eval --model OUT` evaluates it through its boundaries")
+
+
+def skeleton(cfg: Config):
+    """(the whole model as ``load`` builds it, its stages) on the CPU, for the shares to go into; the global RNG
+    is left as it was (``load`` seeds it)."""
+    with torch.random.fork_rng(devices=[]):
+        loaded = load(cfg)
+    return loaded, build_stages(loaded.model, cfg.mesh.split or None, cfg.mesh.pp)
+
+
+def flat(share: dict[str, torch.Tensor]) -> Payload:
+    """A share as one wire payload: its tensors in name order, one flat tensor per dtype (the wire's header holds at
+    most 8 named tensors; the receiver knows the names and shapes)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name in sorted(share):
+        out.setdefault(str(share[name].dtype).removeprefix("torch."), []).append(share[name].reshape(-1))
+    return Payload({dt: torch.cat(ts) for dt, ts in sorted(out.items())})
+
+
+def flat_expect(stage: Stage) -> Expect:
+    """Exactly the payload ``flat`` makes of ``stage``'s share (from the receiver's own copy of the stage)."""
+    sizes: dict[str, tuple[int, torch.dtype]] = {}
+    for t in stage.hf_state_dict().values():
+        key = str(t.dtype).removeprefix("torch.")
+        sizes[key] = (sizes.get(key, (0, t.dtype))[0] + t.numel(), t.dtype)
+    return Expect.exactly({k: ((n,), dt) for k, (n, dt) in sorted(sizes.items())})
+
+
+def unflat(payload: Payload, stage: Stage) -> dict[str, torch.Tensor]:
+    """The inverse of ``flat``, by the names and shapes of the receiver's copy of ``stage``."""
+    ref = stage.hf_state_dict()
+    at = {k: 0 for k in payload.tensors}
+    out = {}
+    for name in sorted(ref):
+        key = str(ref[name].dtype).removeprefix("torch.")
+        n = ref[name].numel()
+        out[name] = payload.tensors[key][at[key]:at[key] + n].reshape(ref[name].shape).clone()
+        at[key] += n
+    return out
+
+
+def share_bytes(share: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in share.values())
+
+
+def write_model(loaded, shares: list[dict[str, torch.Tensor]], dest: Path) -> None:
+    """The shares put into the whole model (LoRA merged) and written to ``dest``."""
+    state: dict[str, torch.Tensor] = {}
+    for share in shares:
+        state.update(share)
+    save_model(merge_lora(merge_state(loaded.model, state)), loaded.tokenizer, dest)
+
+
+def save_model(model, tokenizer, dest: Path) -> None:
+    """``model`` written to ``dest`` as a Hugging Face folder with the tokenizer and generation config: into a new
+    folder beside it, then in its place (the job's earlier one, on --resume, is replaced only once the new one is
+    complete)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the end of a run: its own lines say where the model went
+    try:
+        model.save_pretrained(tmp)
+        if hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(tmp)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-old-"))
+            dest.rename(old / dest.name)
+            tmp.rename(dest)
+            shutil.rmtree(old)  # this job's earlier model (OUT is the job's own folder), moved aside above
+        else:
+            tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours: absent once renamed
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def model_summary(dest: Path, gathered: int) -> dict:
+    return {"model": dest.name, "model_bytes": gathered}
