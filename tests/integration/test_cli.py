@@ -115,7 +115,7 @@ BAD = [
     (["eval", "--tasks", "arc_easy", "--limit", "abc"], "invalid int value: 'abc'"),
     (["eval", "--tasks", "gsm8k", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["eval", "--model", "/no/such", "--tasks", "arc_easy"], "is neither a preset"),
-    (["analyze", "--run", "/no/run"], "is not a thinpipe run folder"),
+    (["analyze", "--run", "/no/run"], "no run with a checkpoint there"),
     (["analyze", "--run", "/no/run", "--batches", "0"], "--batches must be >= 1"),
     (["prune", "--run", "/no/run"], "no run with a checkpoint there"),
     (["plan", "--set", "mesh.pp=0"], "mesh.pp must be >= 1"),

@@ -29,7 +29,9 @@ BASE = ["--set", "data.name=synthetic", "--set", "train.steps=3", "--set", "trai
 CASES = {
     "mask + PowerSGD, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
                                                    "--set", "mesh.dp=2", "--set", "boundary.kind=mask",
-                                                   "--set", "dp.kind=powersgd", "--set", "dp.start_step=1"]),
+                                                   "--set", "dp.kind=powersgd", "--set", "dp.start_step=1",
+                                                   "--set", "train.model_rank=3", "--set", "eval.every=2",
+                                                   "--set", "eval.tasks=[\"arc_easy\"]", "--set", "eval.limit=4"]),
     "MAPL-VQ, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=mapl-vq",
                               "--set", "boundary.rank=16", "--set", "boundary.vq_codes=32",
                               "--set", "boundary.vq_sync_codes=4"]),
@@ -123,11 +125,27 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
         # boundary that is part of the model writes none in either engine
         if "MAPL" in case:
             assert not (dist_out / "model").exists() and not (sim / "model").exists()
+            for run in (sim, dist_out):  # its projectors and codebooks, read back from either engine's folder
+                assert main(["analyze", "--run", str(run), "--batches", "1"]) == 0
+            analyses = [{k: v for k, v in json.loads((r / "analysis" / "analysis.json").read_text()).items()
+                         if k != "run"} for r in (sim, dist_out)]
+            assert analyses[0] == analyses[1]
         else:
             assert_same_model_folder(dist_out / "model", sim / "model")
     if case == "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row":
         check_parts_on_two_machines(dist_out, sim, tmp_path)
     if case == "mask + PowerSGD, 2 replicas x 2 stages":
+        # train.model_rank = 3 (replica 1's last stage) wrote it: both stages of replica 0 sent it their shares
+        from safetensors.torch import load_file
+
+        s = json.loads((dist_out / "summary.json").read_text())
+        whole = sum(t.numel() * t.element_size() for t in load_file(dist_out / "model" / "model.safetensors").values())
+        assert (s["model_rank"], s["model_format"], s["model_bytes"]) == (3, "transformers", whole)
+        # eval.tasks: scored with the held-out loss, in the rows that carry it and the summary (every row and
+        # summary field equal to the simulation's: assert_same_run_files above)
+        rows = [json.loads(x) for x in (dist_out / "metrics.jsonl").read_text().splitlines()]
+        assert all(("val_acc_arc_easy" in r) == ("val_loss" in r) for r in rows) and "final_val_acc_arc_easy" in s
+        assert any("val_acc_arc_easy" in r for r in rows)
         check_commands_take_a_dist_run(dist_out, sim, tmp_path)
 
 
@@ -159,8 +177,8 @@ def test_a_job_on_two_machines_ends_with_its_model_on_rank_0s(tmp_path):
 
 
 def check_commands_take_a_dist_run(dist_out, sim, tmp_path):
-    """``eval --run``, ``generate --run`` and ``train --init-from`` take the dist run as they take the simulation's
-    of the same job: the same numbers, the same tokens."""
+    """``eval --run``, ``generate --run``, ``prune --run``, ``probe --run`` and ``train --init-from`` take the dist
+    run as they take the simulation's of the same job: the same numbers, the same tokens."""
     texts = tmp_path / "texts.jsonl"
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("the cat sat on the mat", "one two three")))
     said = {}
@@ -169,8 +187,10 @@ def check_commands_take_a_dist_run(dist_out, sim, tmp_path):
         with contextlib.redirect_stdout(out):
             assert main(["eval", "--run", str(run), "--perplexity", str(texts), "--json"]) == 0
             assert main(["generate", "--run", str(run), "--prompt", "the cat", "--max-new-tokens", "4", "--json"]) == 0
-        said[name] = out.getvalue()
-    assert said["dist"] == said["sim"] and "perplexity" in said["sim"]
+            assert main(["probe", "--run", str(run), "--kinds", "mask", "--batches", "1", "--json"]) == 0
+        assert main(["prune", "--run", str(run), "--sparsity", "0,0.5", "--out", str(tmp_path / f"prune_{name}")]) == 0
+        said[name] = (out.getvalue(), json.loads((tmp_path / f"prune_{name}" / "prune.json").read_text())["rows"])
+    assert said["dist"] == said["sim"] and "perplexity" in said["sim"][0] and '"dense_loss"' in said["sim"][0]
     assert main(["train", "--init-from", str(dist_out), "--out", str(tmp_path / "phase2"), "--quiet", *BASE,
                  "--set", "model.name=tiny-llama", "--set", "train.steps=1"]) == 0
 

@@ -181,22 +181,26 @@ SCHEMES = {
 @pytest.mark.dist
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, scheme):
-    args = [*BASE, "--set", "mesh.dp=2", "--set", "train.steps=5", "--set", "eval.every=2", *SCHEMES[scheme]]
+    args = [*BASE, "--set", "mesh.dp=2", "--set", "train.steps=5", "--set", "eval.every=2", "--set",
+            'eval.tasks=["arc_easy"]', "--set", "eval.limit=2", *SCHEMES[scheme]]
     d = run_job(["launch", "--nproc", "4", "--", "train", "--out", str(tmp_path / "dist"), "--quiet", *args])
     assert d.returncode == 0, d.stderr[-3000:]
     e = run_job(["launch", "--elastic", "--", "train", "--out", str(tmp_path / "el"), "--quiet", *args])
     assert e.returncode == 0, e.stderr[-3000:]
     want = rows(tmp_path / "dist" / "metrics.jsonl")
     for replica in ("replica0", "replica1"):
-        # each replica measures the held-out loss on its own weights (--engine dist on replica 0's):
-        # with DiLoCo they differ between outer steps, so replica 1's is not dist's
-        keys = [k for k in want[0] if k != "wall_s" and (replica == "replica0" or k != "val_loss")]
+        # each replica measures the held-out loss (and eval.tasks) on its own weights (--engine dist on replica
+        # 0's): with DiLoCo they differ between outer steps, so replica 1's are not dist's
+        keys = sorted({k for r in want for k in r if k != "wall_s" and (replica == "replica0" or
+                                                                        not k.startswith("val_"))})
         got = rows(tmp_path / "el" / replica / "metrics.jsonl")
         assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want], replica
         s = json.loads((tmp_path / "el" / replica / "summary.json").read_text())
         assert s["engine"] == "elastic" and s["rollbacks"] == 0 and s["tokens"] == 5 * 2 * 2 * 32
     s, sd = (json.loads((p / "summary.json").read_text()) for p in (tmp_path / "el" / "replica0", tmp_path / "dist"))
     assert s["final_val_loss"] == sd["final_val_loss"] and s["val_points"] == sd["val_points"]
+    assert s["final_val_acc_arc_easy"] == sd["final_val_acc_arc_easy"]
+    assert any("val_acc_arc_easy" in r for r in want)
     # replica r's weights are the dist run's rank grid[r][s] part (DiLoCo's local weights differ by replica)
     _, dd = sets(tmp_path / "dist" / "checkpoint")[0]
     for r in range(2):

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from thinpipe.commands.common import add_device_arg
+from thinpipe.commands.preflight import check_run
 from thinpipe.config import ConfigError
 
 NAME = "analyze"
@@ -14,7 +15,9 @@ HELP = "boundary spectra, projector angles, captured energy (MAPL Fig. 3-5)"
 
 
 def add_arguments(a: argparse.ArgumentParser) -> None:
-    a.add_argument("--run", required=True, help="a run folder (config.toml + checkpoint/)")
+    a.add_argument("--run", required=True, action="append",
+                   help="a run folder of any engine; a dist job across machines: each machine's --out "
+                         "(--run A --run B), written into the first")
     a.add_argument("--batches", type=int, default=4, help="validation batches to analyse")
     add_device_arg(a)
 
@@ -24,7 +27,9 @@ def run(args) -> int:
 
     if args.batches < 1:
         raise ConfigError(f"--batches must be >= 1, got {args.batches}")
-    result, paths = analyze_run(args.run, args.batches, args.device)
+    runs = [Path(r) for r in args.run]
+    check_run(runs)
+    result, paths = analyze_run(runs if len(runs) > 1 else runs[0], args.batches, args.device)
     print(f"{'boundary':<9}{'kind':<9}{'r(90%)':>7}{'r(99%)':>7}{'rank':>6}{'captured':>10}{'fixed':>8}{'pca':>7}"
           f"{'cos r':>7}")
     for row in result["boundaries"]:
@@ -35,5 +40,5 @@ def run(args) -> int:
         print("mean principal angles (deg):")
         for line in result["principal_angles_deg"]:
             print("  " + " ".join(f"{a:6.1f}" for a in line))
-    print(f"wrote {Path(args.run) / 'analysis' / 'analysis.json'} and {', '.join(p.name for p in paths)}")
+    print(f"wrote {runs[0] / 'analysis' / 'analysis.json'} and {', '.join(p.name for p in paths)}")
     return 0

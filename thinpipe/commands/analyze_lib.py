@@ -112,9 +112,11 @@ def plot_analysis(result: dict, out: Path, title: str) -> list[Path]:
     return paths
 
 
-def analyze_run(run: str | Path, batches: int = 4, device: str = "cpu") -> tuple[dict, list[Path]]:
-    run = Path(run)
-    cfg, mesh, loaded = load_mesh(run, device)
+def analyze_run(run: str | Path | list, batches: int = 4, device: str = "cpu") -> tuple[dict, list[Path]]:
+    """The boundaries of a run of any engine (a dist job's machines' folders, a list: written into the first)."""
+    runs = [Path(r) for r in run] if isinstance(run, list) else [Path(run)]
+    cfg, mesh, loaded = load_mesh(runs if len(runs) > 1 else runs[0], device)
+    run = runs[0]
     _, val = build_data(cfg, loaded.tokenizer)
     stream = batch_stream(val, cfg.train.batch_size, cfg.train.seed)
     data = [next(stream) for _ in range(batches)]

@@ -333,6 +333,8 @@ def elastic_summary(out: Path, cfg, model: Path | None = None) -> dict:
         "replica_steps_missed": missed, "rejoins": rejoins,
         "quorum_changes": [{k: q[k] for k in ("step", "members", "left", "joined")} for q in quorum],
         "replica_summaries": summaries, "model": model.name if model is not None else None,
+        "model_format": None if model is None else  # as engine/job_model.py: model_summary says it
+        "peft" if cfg.train.lora.rank and cfg.train.lora.save == "adapter" else "transformers",
         **code_stamp(),  # the launcher's code (each replica's summary carries its own)
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2))

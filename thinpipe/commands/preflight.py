@@ -20,9 +20,12 @@ def validate_names(cfg) -> None:
     """Cheap checks of names that would otherwise fail only after loading a model."""
     from thinpipe.data import CORPORA
     from thinpipe.data.rows import data_files
-    from thinpipe.models.loading import model_num_layers, resolve_model_name
+    from thinpipe.models.loading import is_random_preset, model_num_layers, resolve_model_name
 
-    resolve_model_name(cfg.model.name)
+    name = resolve_model_name(cfg.model.name)
+    if cfg.train.lora.rank and cfg.train.lora.save == "adapter" and is_random_preset(name):
+        raise ConfigError(f"train.lora.save = adapter names the base model's folder, but {cfg.model.name} is a random "
+                          "preset with none on disk: leave train.lora.save = merged (the whole model is written)")
     for name in (cfg.data.name, cfg.data.val_name):
         if name and name not in CORPORA:  # a user's files: absolute, so a --resume from elsewhere finds them
             data_files(name)

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from thinpipe.commands.common import add_device_arg
-from thinpipe.commands.preflight import validate_names
-from thinpipe.config import ConfigError, load_config
+from thinpipe.commands.preflight import check_run, validate_names
+from thinpipe.config import ConfigError, apply_overrides, load_config, parse_sets
 from thinpipe.runlock import check_out_path
 
 NAME = "probe"
@@ -18,6 +18,9 @@ HELP = "each boundary kind's forward damage, gradient alignment and bytes, no tr
 
 def add_arguments(q: argparse.ArgumentParser) -> None:
     q.add_argument("--model", help="the model (model.name), e.g. smollm2-135m")
+    q.add_argument("--run", action="append",
+                   help="a run folder of any engine instead of --model/--config: its trained model (LoRA merged) and "
+                        "its settings (mesh.pp, data, seq_len, batch); a dist job across machines: --run A --run B")
     q.add_argument("--config", help="TOML config file (mesh.pp, data, train.seq_len, train.batch_size apply)")
     q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. mesh.pp=4")
     q.add_argument("--kinds", help="comma-separated boundary kinds to probe (default: every kind of the grid)")
@@ -29,8 +32,15 @@ def add_arguments(q: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, ([f"model.name={args.model}"] if args.model else []) + args.set)
-    validate_names(cfg)
+    loaded = None
+    if args.run:
+        if args.model or args.config:
+            raise ConfigError("--run takes the model and its settings from the run: leave out --model and --config "
+                              "(--set still overrides a setting)")
+        cfg, loaded = _run_model([Path(r) for r in args.run], args.set)
+    else:
+        cfg = load_config(args.config, ([f"model.name={args.model}"] if args.model else []) + args.set)
+        validate_names(cfg)
     if args.out:
         check_out_path(Path(args.out))
     from thinpipe.commands.probe_lib import format_table, probe, select_grid, write  # the model libraries
@@ -38,7 +48,7 @@ def run(args) -> int:
     cfg.train.device = args.device
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()] if args.kinds else None
     result = probe(cfg, select_grid(kinds), args.batches, _int_list(args.boundaries, "--boundaries"),
-                   progress=not args.json)
+                   progress=not args.json, loaded=loaded)
     if args.out:
         write(result, Path(args.out))
     if args.json:
@@ -48,6 +58,19 @@ def run(args) -> int:
         if args.out:
             print(f"wrote {Path(args.out) / 'probe.json'} and {Path(args.out) / 'probe.png'}")
     return 0
+
+
+def _run_model(runs: list[Path], sets: list[str]):
+    """(the run's config with ``sets`` applied and LoRA off, its model as ``load`` returns one): a run of any engine
+    (``engine/run_folder.py: load_run``), probed as a model of its own."""
+    from thinpipe.engine.run_folder import load_run
+    from thinpipe.models.loading import LoadedModel
+
+    check_run(runs)
+    cfg, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0])
+    apply_overrides(cfg, {**parse_sets(sets), "train.lora.rank": 0}, source="--set")  # the adapters are merged
+    cfg.validate()
+    return cfg, LoadedModel(model, tokenizer, str(runs[0]))
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:

@@ -68,7 +68,7 @@ GRID: list[tuple[str, dict]] = [
     ("ssn r=64", {"boundary.kind": "ssn", "boundary.rank": 64}),
 ]
 # What the probe holds fixed whatever the config says: one replica, no anchor, no DP exchange.
-PROBE_MESH = {"mesh.dp": 1, "mesh.anchor": 0, "dp.kind": "allreduce"}
+PROBE_MESH = {"mesh.dp": 1, "mesh.anchor": 0, "dp.kind": "allreduce", "elastic.min_replicas": 1, "train.model_rank": 0}
 
 
 def select_grid(kinds: list[str] | None, grid: list[tuple[str, dict]] = GRID) -> list[tuple[str, dict]]:
@@ -146,8 +146,9 @@ def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_
 
 
 def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, boundaries: list[int] | None = None,
-          progress: bool = True) -> dict:
-    """The probe of every arm of ``grid`` on ``num_batches`` held-out batches (module docstring)."""
+          progress: bool = True, loaded=None) -> dict:
+    """The probe of every arm of ``grid`` on ``num_batches`` held-out batches (module docstring), on the configured
+    model or on ``loaded`` (a run's trained model, ``probe --run``)."""
     if num_batches < 1:
         raise ConfigError(f"--batches must be >= 1, got {num_batches}")
     if cfg.mesh.pp < 2:
@@ -160,7 +161,10 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
     if boundaries is not None:
         base.boundary.masked = list(boundaries)
     device = place(base)
-    loaded = load(base)
+    if loaded is None:
+        loaded = load(base)
+    else:  # as load seeds it
+        torch.manual_seed(base.train.seed)
     train_ds, val_ds = build_data(base, loaded.tokenizer)
     batches = [b for _, b in zip(range(num_batches), val_batches(val_ds, base.train.batch_size))]
     arms = [("dense", {"boundary.kind": "identity"})] + [(a, s) for a, s in grid if s["boundary.kind"] != "identity"]

@@ -66,9 +66,10 @@ def parse_sparsities(text: str) -> list[float]:
     return values
 
 
-def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limit: int | None,
+def prune_sweep(run: str | Path | list, sparsities: list[float], tasks: list[str], limit: int | None,
                 out: Path | None = None, device: str = "cpu") -> dict:
-    """Held-out loss (and MC accuracy on ``tasks``) of ``run``'s model at each sparsity."""
+    """Held-out loss (and MC accuracy on ``tasks``) of ``run``'s model at each sparsity (a run of any engine; a
+    dist job's machines' folders, a list: written into the first unless ``out``)."""
     from tqdm import tqdm
 
 
@@ -90,11 +91,12 @@ def prune_sweep(run: str | Path, sparsities: list[float], tasks: list[str], limi
                 r = evaluate_mc(logits_fn_from_model(pruned), tokenizer, t, limit=limit)
                 row[f"{t}_acc"], row[f"{t}_acc_norm"] = r["acc"], r["acc_norm"]
         rows.append(row)
-    result = {"run": str(run), "rows": rows}
-    out = Path(out) if out else Path(run) / "prune"
+    first = Path(run[0] if isinstance(run, list) else run)
+    result = {"run": [str(r) for r in run] if isinstance(run, list) else str(run), "rows": rows}
+    out = Path(out) if out else first / "prune"
     out.mkdir(parents=True, exist_ok=True)
     (out / "prune.json").write_text(json.dumps(result, indent=2))
-    plot_sweep({Path(run).name: rows}, out / "prune.png")
+    plot_sweep({first.name: rows}, out / "prune.png")
     return result
 
 

@@ -114,4 +114,9 @@ def print_summary(summary: dict, out: Path) -> None:
         print(f"{k:<{width}}  {v}")
     print(f"results in {out}/ (summary.json, metrics.jsonl, loss.png)")
     if summary.get("model"):
-        print(f"the model in {out / summary['model']}/ (AutoModelForCausalLM.from_pretrained loads it)")
+        elsewhere = summary.get("engine") == "dist" and summary.get("model_rank")  # another rank's machine
+        where = (f"in {summary['model']}/ of global rank {summary['model_rank']}'s --out (train.model_rank)"
+                 if elsewhere else f"in {out / summary['model']}/")
+        how = ("PeftModel.from_pretrained(base, ...) loads the adapter" if summary.get("model_format") == "peft"
+               else "AutoModelForCausalLM.from_pretrained loads it")
+        print(f"the model {where} ({how})")

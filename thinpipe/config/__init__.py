@@ -21,12 +21,12 @@ from thinpipe.config.errors import ConfigError, Diverged
 from thinpipe.config.log import LogConfig
 from thinpipe.config.mesh import LinkConfig, MeshConfig
 from thinpipe.config.model_data import DataConfig, ModelConfig
-from thinpipe.config.root import Config, apply_overrides, load_config
+from thinpipe.config.root import Config, apply_overrides, load_config, parse_sets
 from thinpipe.config.train import LORA_TARGETS, DiagConfig, EvalConfig, LoraConfig, TrainConfig
 
 __all__ = [
     "BOUNDARY_KINDS", "DEPRECATED_KEYS", "DP_KINDS", "LORA_TARGETS", "AnchorConfig", "BoundaryConfig", "BoundaryKind",
     "Config", "ConfigError", "DPConfig", "DataConfig", "DiagConfig", "Diverged",
     "ElasticConfig", "EvalConfig", "LinkConfig", "LogConfig", "LoraConfig", "MeshConfig", "ModelConfig", "MuonConfig",
-    "OptimConfig", "SpectralConfig", "TrainConfig", "apply_overrides", "load_config",
+    "OptimConfig", "SpectralConfig", "TrainConfig", "apply_overrides", "load_config", "parse_sets",
 ]

@@ -97,6 +97,10 @@ class Config:
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
                               "(the job's replicas): lower it or raise mesh.dp")
+        if self.train.model_rank >= self.mesh.dp * self.mesh.pp:
+            raise ConfigError(f"train.model_rank = {self.train.model_rank} is not a rank of this job's fast replicas "
+                              f"(0..{self.mesh.dp * self.mesh.pp - 1} with mesh.dp x mesh.pp = "
+                              f"{self.mesh.dp} x {self.mesh.pp}): name one of them")
         check_objective(self)
         return self
 
@@ -242,6 +246,17 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {why}") from None
 
 
+def parse_sets(sets: list[str] | None) -> dict[str, str]:
+    """``--set key=value`` strings as ``{"key": "value"}`` (``apply_overrides`` types them)."""
+    overrides: dict[str, str] = {}
+    for item in sets or []:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set train.steps=10")
+        k, v = item.split("=", 1)
+        overrides[k.strip()] = v
+    return overrides
+
+
 def load_config(path: str | Path | None = None, sets: list[str] | None = None, recipe: str | None = None) -> Config:
     """Defaults <- recipe (``config/recipes/``) <- TOML file <- ``key=value`` strings; validated.
 
@@ -263,13 +278,7 @@ def load_config(path: str | Path | None = None, sets: list[str] | None = None, r
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} not found: check the path given to --config")
         apply_overrides(cfg, _read_toml(path), source=str(path), warned=warned, given=given)
-    overrides: dict[str, Any] = {}
-    for item in sets or []:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r} must look like key=value, e.g. --set train.steps=10")
-        k, v = item.split("=", 1)
-        overrides[k.strip()] = v
-    apply_overrides(cfg, overrides, warned=warned, given=given)
+    apply_overrides(cfg, parse_sets(sets), warned=warned, given=given)
     defaults = {k: v for k, v in OBJECTIVE_DEFAULTS.get(cfg.train.objective, {}).items() if k not in given}
     apply_overrides(cfg, defaults, source=f"train.objective = {cfg.train.objective}'s defaults")
     return cfg.validate()

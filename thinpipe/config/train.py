@@ -26,8 +26,17 @@ class LoraConfig:
     target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
     """Module names that get adapters (default: every linear map of the decoder layers, under the model
     family's own names: Phi-3's fused ``qkv_proj`` / ``gate_up_proj``; docs/models.md)."""
+    save: str = "merged"
+    """What the job's ``OUT/model/`` and ``thinpipe export`` write of a LoRA run: ``merged`` (the adapters folded
+    into the base: a plain Hugging Face model) or ``adapter`` (peft's format, ``adapter_config.json`` and
+    ``adapter_model.safetensors``, naming the base model's folder: ``PeftModel.from_pretrained(base, OUT/model)``)."""
 
     def validate(self) -> None:
+        if self.save not in ("merged", "adapter"):
+            raise ConfigError(f"train.lora.save must be merged or adapter, got {self.save!r}")
+        if self.save == "adapter" and not self.rank:
+            raise ConfigError("train.lora.save = adapter writes LoRA adapters, but train.lora.rank = 0 trains none: "
+                              "set train.lora.rank > 0 or leave train.lora.save = merged")
         if self.rank < 0 or self.alpha <= 0 or not 0 <= self.dropout < 1:
             raise ConfigError(f"train.lora needs rank >= 0, alpha > 0 and 0 <= dropout < 1, got {self.rank}, "
                               f"{self.alpha}, {self.dropout}")
@@ -92,9 +101,15 @@ class TrainConfig:
     ``gspo`` (RL with verifiable rewards on rollouts sampled on the mesh, section ``[rl]``): anchor-priors App. D."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters via peft (train.lora.rank > 0 turns them on)."""
+    model_rank: int = 0
+    """The global rank that receives the job's model at its end and writes ``OUT/model/`` into its own
+    ``--out`` (a fast rank: 0 .. mesh.dp x mesh.pp - 1): across machines, the machine the model should end on.
+    The simulation and elastic launchers write it in their one folder."""
 
     def validate(self) -> None:
         self.lora.validate()
+        if self.model_rank < 0:
+            raise ConfigError(f"train.model_rank must be a global rank >= 0, got {self.model_rank}")
         for name in ("steps", "batch_size", "seq_len", "microbatches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1, got {getattr(self, name)}")
@@ -156,18 +171,14 @@ class EvalConfig:
     every: int = 0
     """Validation loss every N steps (0 = only at the start and the end)."""
     tasks: list[str] = field(default_factory=list)
-    """Multiple-choice tasks to run during training (e.g. ``["arc_easy"]``): not run yet (issue 50), so a
-    non-empty list is refused rather than ignored; evaluate the finished run with ``thinpipe eval --run OUT
-    --tasks ...``."""
+    """Multiple-choice tasks scored through the mesh each time the held-out measure is (every ``eval.every`` steps
+    and at the end), e.g. ``["arc_easy"]``: columns ``val_acc_<task>`` / ``val_acc_norm_<task>`` in those
+    ``metrics.jsonl`` rows, ``final_val_acc_<task>`` in ``summary.json`` (``objective/task_scores.py``)."""
     limit: int = 100
-    """Items per multiple-choice task (with ``tasks``)."""
+    """Items per task in ``tasks`` (its first ones, in the split's order)."""
 
     def validate(self) -> None:
         if self.every < 0:
             raise ConfigError(f"eval.every must be >= 0, got {self.every}")
-        if self.tasks:
-            raise ConfigError(f"eval.tasks = {self.tasks} are not run during training yet: leave eval.tasks empty "
-                              f"and evaluate the finished run with `thinpipe eval --run OUT --tasks "
-                              f"{','.join(self.tasks)}`")
         if self.limit < 1:
             raise ConfigError(f"eval.limit must be >= 1, got {self.limit}")

@@ -52,7 +52,7 @@ from thinpipe.engine.job_model import (
     flat_expect,
     model_share,
     model_summary,
-    share_bytes,
+    sent_bytes,
     skeleton,
     unflat,
     write_model,
@@ -272,24 +272,28 @@ class DistEngine:
             self._bytes[a] += int(sum(float(r[i]) for r in rows))
 
     def write_model(self, dest: Path) -> dict:
-        """``OUT/model/`` on global rank 0 (``engine/job_model.py``): replica 0's other stages send it their shares
-        over the eval wire (authenticated, not training's bytes; ``model_bytes``)."""
+        """``OUT/model/`` on global rank ``train.model_rank`` (0 by default; ``engine/job_model.py``): replica 0's
+        stages send it their shares over the eval wire (authenticated, not training's bytes; ``model_bytes``),
+        and it writes the folder into its own ``--out``; the lead's summary learns the bytes from every fast rank."""
         if any(b.architectural for b in self.bounds):
             if self.lead:
                 say(architectural_line(self.cfg))
             return {"model": None, "model_bytes": 0}
-        if self.role.replica != 0:
-            return {}
-        share = model_share(self.stage, self.rk.dp_scheme)
-        if not self.lead:
-            self.eval_transport.send(ModelShare(self.role.stage, 0), flat(share), None)
+        writer, pp = self.cfg.train.model_rank, self.layout.pp
+        share = model_share(self.stage, self.rk.dp_scheme) if self.role.replica == 0 else None
+        received = 0
+        if share is not None and self.rank != writer:
+            self.eval_transport.send(ModelShare(self.role.stage, writer), flat(share), None)
             self.eval_transport.flush()
-            return {}
-        loaded, stages = skeleton(self.cfg)
-        shares = [share] + [unflat(self.eval_transport.recv(ModelShare(s, 0), flat_expect(stages[s])), stages[s])
-                            for s in range(1, self.layout.pp)]
-        write_model(loaded, shares, dest)
-        return model_summary(dest, sum(share_bytes(x) for x in shares[1:]))
+        if self.rank == writer:
+            loaded, stages = skeleton(self.cfg)
+            shares = [share if share is not None and self.layout.grid[0][s] == self.rank else
+                      unflat(self.eval_transport.recv(ModelShare(s, writer), flat_expect(stages[s])), stages[s])
+                      for s in range(pp)]
+            write_model(loaded, shares, dest, self.cfg)
+            received = sent_bytes(shares, writer)
+        gathered = int(sum(float(x[0]) for x in self.gather([float(received)])))
+        return model_summary(dest, gathered, writer, self.cfg) if self.lead else {}
 
     def summary_extras(self) -> dict:
         mine = [float(self.rk.trainable_count()), float(self.rk.model_count())] if self.role.replica == 0 else [0., 0.]

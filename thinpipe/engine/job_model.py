@@ -17,6 +17,7 @@ model would drop them (one line says so; ``thinpipe eval --model OUT`` evaluates
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +28,7 @@ from transformers.utils import logging as hf_logging
 from thinpipe.boundary.base import Payload
 from thinpipe.comm.header import Expect
 from thinpipe.config import Config
+from thinpipe.models.loading import model_folder, save_weights
 from thinpipe.models.lora import merge_lora
 from thinpipe.models.stages import Stage, build_stages, hf_name, merge_state
 from thinpipe.rank.from_config import load
@@ -91,26 +93,53 @@ def share_bytes(share: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in share.values())
 
 
-def write_model(loaded, shares: list[dict[str, torch.Tensor]], dest: Path) -> None:
-    """The shares put into the whole model (LoRA merged) and written to ``dest``."""
+def write_model(loaded, shares: list[dict[str, torch.Tensor]], dest: Path, cfg: Config) -> None:
+    """The shares put into the whole model and written to ``dest`` (``save_model``)."""
     state: dict[str, torch.Tensor] = {}
     for share in shares:
         state.update(share)
-    save_model(merge_lora(merge_state(loaded.model, state)), loaded.tokenizer, dest)
+    save_model(merge_state(loaded.model, state), loaded.tokenizer, dest, cfg)
 
 
-def save_model(model, tokenizer, dest: Path) -> None:
-    """``model`` written to ``dest`` as a Hugging Face folder with the tokenizer and generation config: into a new
-    folder beside it, then in its place (the job's earlier one, on --resume, is replaced only once the new one is
-    complete)."""
+def adapter_only(cfg: Config) -> bool:
+    """A LoRA run whose model is written as peft's adapter (``train.lora.save``) rather than merged."""
+    return bool(cfg.train.lora.rank) and cfg.train.lora.save == "adapter"
+
+
+def write_into(folder: Path, model, tokenizer, cfg: Config) -> None:
+    """``model`` (a LoRA run's adapters not yet merged) into the existing ``folder``: the whole model with the
+    adapters folded in, or (``train.lora.save = adapter``) peft's adapter files naming the base model's folder,
+    which ``PeftModel.from_pretrained(base, folder)`` loads; the tokenizer and generation config beside either."""
+    if adapter_only(cfg):
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        base = model_folder(cfg.model.name)
+        assert base is not None, "validate_names refuses an adapter of a random preset"
+        adapters = get_peft_model_state_dict(model)  # peft's own names: adapter name dropped
+        # PeftModel's parameters sit under base_model.model.: the names its from_pretrained reads back
+        save_file({f"base_model.model.{k}": v.detach().to("cpu").contiguous() for k, v in adapters.items()},
+                  str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config = copy.copy(model.peft_config["default"])
+        config.base_model_name_or_path = str(base.resolve())
+        config.save_pretrained(str(folder))
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
+    else:
+        save_weights(merge_lora(model), folder)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+
+
+def save_model(model, tokenizer, dest: Path, cfg: Config) -> None:
+    """``model`` written to ``dest`` (``write_into``): into a new folder beside it, then in its place (the job's
+    earlier one, on --resume, is replaced only once the new one is complete)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-"))
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # the end of a run: its own lines say where the model went
     try:
-        model.save_pretrained(tmp)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+        write_into(tmp, model, tokenizer, cfg)
         if dest.exists():
             old = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}-old-"))
             dest.rename(old / dest.name)
@@ -124,5 +153,15 @@ def save_model(model, tokenizer, dest: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def model_summary(dest: Path, gathered: int) -> dict:
-    return {"model": dest.name, "model_bytes": gathered}
+def sent_bytes(shares: list[dict[str, torch.Tensor]], writer: int) -> int:
+    """What replica 0's stages send to global rank ``writer`` (``train.model_rank``; rank = replica x pp + stage):
+    every share but the writer's own, when it is one of them."""
+    return sum(share_bytes(x) for s, x in enumerate(shares) if s != writer)
+
+
+def model_summary(dest: Path, gathered: int, writer: int, cfg: Config) -> dict:
+    """``summary.json``'s fields of the job's model: its folder (in the writer's ``--out``), its format
+    (``transformers``, or ``peft``: an adapter, ``train.lora.save``), the bytes gathered to write it (apart from
+    training's axes) and the global rank that wrote it."""
+    return {"model": dest.name, "model_format": "peft" if adapter_only(cfg) else "transformers",
+            "model_bytes": gathered, "model_rank": writer}

@@ -18,10 +18,11 @@ import torch
 from thinpipe.checkpoint import latest_complete, refuse_legacy, restoring
 from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.console import say
-from thinpipe.engine.job_model import MODEL_DIR, architectural_line, save_model
+from thinpipe.engine.job_model import MODEL_DIR, architectural_line, save_model, write_into
 from thinpipe.engine.run_parts import REPLICA_FOLDER, has_parts, mesh_state, read_parts
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import merge_stages
+from thinpipe.models.loading import save_weights
 from thinpipe.models.lora import merge_lora
 from thinpipe.placement import resolve_device
 from thinpipe.rank.from_config import load
@@ -100,16 +101,18 @@ def synchronise(mesh: SimMesh, steps: int) -> None:
                                       "does not hold one step of one job")
 
 
-def load_run(run_dir: str | Path | list, device: str = "cpu"):
-    """(config, merged Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run (any
-    engine, ``load_mesh``)."""
+def load_run(run_dir: str | Path | list, device: str = "cpu", merge: bool = True):
+    """(config, Hugging Face model on ``device``, tokenizer) of a finished or checkpointed run (any engine,
+    ``load_mesh``); a LoRA run's adapters folded in (``merge``) or left in place (what ``job_model.write_into``
+    takes)."""
     cfg, mesh, loaded = load_mesh(run_dir, device)
     if any(b.architectural for b in mesh.boundaries):  # the boundary kind says it is part of the model
         raise ConfigError(f"{run_dir} trained with boundary.kind = {cfg.boundary.kind}, "
                           "whose projectors are part of the model: a plain Hugging Face model would drop them. "
                           "`thinpipe eval --model RUN` evaluates it through its boundaries; "
                           "`thinpipe analyze --run RUN` inspects them")
-    return cfg, merge_lora(merge_stages(loaded.model, mesh.replicas[0])).to(mesh.device), loaded.tokenizer
+    model = merge_stages(loaded.model, mesh.replicas[0])
+    return cfg, (merge_lora(model) if merge else model).to(mesh.device), loaded.tokenizer
 
 
 def write_run_model(run_dir: Path) -> Path | None:
@@ -121,7 +124,7 @@ def write_run_model(run_dir: Path) -> Path | None:
         say(architectural_line(cfg))
         return None
     dest = Path(run_dir) / MODEL_DIR
-    save_model(merge_lora(merge_stages(loaded.model, mesh.replicas[0])), loaded.tokenizer, dest)
+    save_model(merge_stages(loaded.model, mesh.replicas[0]), loaded.tokenizer, dest, cfg)
     return dest
 
 
@@ -168,7 +171,7 @@ def init_weights(init, dest: str | Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".init-"))
     try:
-        model.save_pretrained(tmp)
+        save_weights(model, tmp)
         if hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(tmp)
         try:
@@ -223,11 +226,12 @@ def _remove_export(folder: Path, written: set[str]) -> None:
         say(f"[thinpipe] warning: {folder} keeps files the earlier export did not write; left in place")
 
 
-def export(run_dir: str | Path | list, out: str | Path, overwrite: bool = False) -> Path:
+def export(run_dir: str | Path | list, out: str | Path, overwrite: bool = False, lora_save: str | None = None) -> Path:
     """Write the job's model (``load_run``: any engine; a dist job's machines' folders, a list) as a Hugging Face
     folder that ``from_pretrained`` loads, with
     ``thinpipe-export.json`` naming the files written. ``out`` is new, empty, or (with ``overwrite``) an
-    earlier export holding only its own files; never the run, a folder inside it or one containing it."""
+    earlier export holding only its own files; never the run, a folder inside it or one containing it. A LoRA
+    run's adapters: merged or in peft's format as ``lora_save`` says (default: the run's ``train.lora.save``)."""
     runs = [Path(r).resolve() for r in (run_dir if isinstance(run_dir, (list, tuple)) else [run_dir])]
     out = Path(out)
     check_out_path(out)
@@ -235,14 +239,15 @@ def export(run_dir: str | Path | list, out: str | Path, overwrite: bool = False)
     for r in runs:
         refuse_nested(r, out, f"--run {r} and --out {out}")
     written = _earlier_export(out, overwrite)
-    _, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0])
+    cfg, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0], merge=False)
+    if lora_save is not None:
+        cfg.train.lora.save = lora_save
+        cfg.train.lora.validate()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
     old = None
     try:
-        model.save_pretrained(tmp)
-        if hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(tmp)
+        write_into(tmp, model, tokenizer, cfg)
         (tmp / EXPORT_MARKER).write_text(json.dumps({"run": str(runs[0]) if len(runs) == 1 else list(map(str, runs)),
                                                      "files": sorted(_files(tmp))}, indent=1))
         if written is not None:  # the earlier export moves aside, the new one takes its place

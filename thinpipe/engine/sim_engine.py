@@ -16,7 +16,7 @@ from thinpipe.analysis import energy_vs_fixed
 from thinpipe.checkpoint import latest_complete, prune, refuse_legacy, save_part, step_dir
 from thinpipe.config import Config, ConfigError
 from thinpipe.console import say
-from thinpipe.engine.job_model import architectural_line, model_share, model_summary, share_bytes, skeleton, write_model
+from thinpipe.engine.job_model import architectural_line, model_share, model_summary, sent_bytes, skeleton, write_model
 from thinpipe.engine.loop import resolve_resume, run
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.engine.sim_pipe import SimPipe
@@ -117,14 +117,15 @@ class SimEngine:
         pass
 
     def write_model(self, dest: Path) -> dict:
-        """``OUT/model/`` from replica 0's stages (``engine/job_model.py``); ``model_bytes``: what the stages after
-        the first would send to the rank that writes it on real processes."""
+        """``OUT/model/`` from replica 0's stages (``engine/job_model.py``); ``model_bytes``: what they would send to
+        the rank that writes it on real processes (``train.model_rank``)."""
         if any(b.architectural for b in self.mesh.boundaries):
             say(architectural_line(self.cfg))
             return {"model": None, "model_bytes": 0}
         shares = [model_share(rk.stage, rk.dp_scheme) for rk in self.mesh.ranks[0]]
-        write_model(skeleton(self.cfg)[0], shares, dest)
-        return model_summary(dest, sum(share_bytes(x) for x in shares[1:]))
+        write_model(skeleton(self.cfg)[0], shares, dest, self.cfg)
+        writer = self.cfg.train.model_rank
+        return model_summary(dest, sent_bytes(shares, writer), writer, self.cfg)
 
     def summary_extras(self) -> dict:
         return {"engine": "sim", "params": sum(rk.model_count() for rk in self.mesh.ranks[0]),

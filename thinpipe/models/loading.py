@@ -99,6 +99,15 @@ def folder_family(folder: Path, where: str) -> tuple[Family, object]:
     return family_of(config, where), config
 
 
+def save_weights(model, folder: Path) -> None:
+    """``model.save_pretrained(folder)`` in whichever process calls it: transformers writes a model's files only on
+    torch.distributed's rank 0 (``should_save_on_this_rank``) and silently skips them on every other rank, but
+    thinpipe's writers are one process each, whatever their rank: the rank ``train.model_rank`` names, a rank
+    preparing ``--init-from``, the first rank of a machine to convert a GGUF file."""
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    model.save_pretrained(folder)
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
     """GGUF -> safetensors folder (dequantised to fp32), written atomically."""
     print(f"[thinpipe] converting {gguf.name} to safetensors in {out} (first run only, ~30 s)", file=sys.stderr)
@@ -113,7 +122,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-convert-"))
     try:
-        model.save_pretrained(tmp)
+        save_weights(model, tmp)
         tok.save_pretrained(tmp)
         if out.exists():
             shutil.rmtree(out)

@@ -17,18 +17,12 @@ import torch
 
 from thinpipe.data.preferences import build_preference_dataset, pair_batches
 from thinpipe.objective.data import common_data_args, enough_rows, users_files
-from thinpipe.objective.losses import dpo_loss, response_logprobs
+from thinpipe.objective.losses import dpo_loss, sequence_logprobs
 from thinpipe.objective.pipe import Pipe, chunk_contexts, pack_rows, trim_padding, unpack_rows
 from thinpipe.objective.spec import ObjectiveSpec
 from thinpipe.rank.from_config import lr_at
 
 STATS = ("pairs", "loss_sum", "margin_sum", "wins", "tokens")
-
-
-def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """(B,) sum over each row's completion tokens of log p(token | prefix)."""
-    logp, _ = response_logprobs(logits, labels)
-    return logp.sum(-1)
 
 
 def anchor_loss(cfg):

@@ -56,6 +56,12 @@ def response_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch
     return torch.where(mask, logp, torch.zeros((), dtype=logp.dtype, device=logp.device)), mask
 
 
+def sequence_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(B,) sum over each row's completion tokens of log p(token | prefix)."""
+    logp, _ = response_logprobs(logits, labels)
+    return logp.sum(-1)
+
+
 @torch.no_grad()
 def token_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Entropy of ``softmax(logits[:, j])`` at each position ``j`` whose next label is not -100, else 0: (B, T-1).

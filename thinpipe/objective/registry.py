@@ -16,6 +16,7 @@ from thinpipe.objective import dpo, gspo, sft
 from thinpipe.objective.base import Objective
 from thinpipe.objective.pipe import Pipe, check_rows
 from thinpipe.objective.spec import ObjectiveSpec
+from thinpipe.objective.task_scores import TaskScores, WithTasks
 from thinpipe.plugins import PLUGIN_OBJECTIVES
 
 BUILTIN: dict[str, ObjectiveSpec] = {m.SPEC.name: m.SPEC for m in (sft, dpo, gspo)}
@@ -39,8 +40,10 @@ def spec_named(name: str) -> ObjectiveSpec:
 
 def make_objective(cfg, pipe: Pipe, train_ds, val_ds, tokenizer, bounds_by_replica: list) -> Objective:
     """``train.objective``'s objective over ``pipe`` (``bounds_by_replica``: the boundaries of each replica the pipe
-    drives, for the checks an objective makes of them)."""
-    return spec_of(cfg).build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica)
+    drives, for the checks an objective makes of them), with ``eval.tasks`` scored beside its held-out measure
+    (``task_scores.py``)."""
+    objective = spec_of(cfg).build(cfg, pipe, train_ds, val_ds, tokenizer, bounds_by_replica)
+    return WithTasks(objective, TaskScores(cfg, pipe, tokenizer)) if cfg.eval.tasks else objective
 
 
 def build_data(cfg, tokenizer) -> tuple:

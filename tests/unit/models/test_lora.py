@@ -149,6 +149,54 @@ def test_train_reports_trainable_params_and_export_merges_adapters(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
+def test_lora_save_adapter_ends_the_job_with_peft_s_adapter_of_its_base_folder(tmp_path, capsys):
+    """train.lora.save = adapter: OUT/model/ is peft's adapter (no model weights) naming the base model's folder;
+    PeftModel.from_pretrained on that base computes what the trained mesh computes; export writes the same adapter
+    or, with --lora-save merged, the plain model. A random preset has no base folder to name: one line."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from thinpipe.cli import main
+    from thinpipe.engine.run_folder import load_mesh
+    from thinpipe.models.loading import load_model
+
+    base, run = tmp_path / "base", tmp_path / "run"
+    loaded = load_model("tiny-llama")
+    loaded.model.save_pretrained(base)
+    loaded.tokenizer.save_pretrained(base)
+    sets = [f"model.name={base}", "data.name=synthetic", "mesh.pp=2", "train.steps=2", "train.batch_size=2",
+            "train.seq_len=32", "data.val_rows=4", "train.lr=1e-2", "train.lora.rank=4", "train.lora.save=adapter"]
+    assert main(["train", "--out", str(run), "--quiet", *[x for s in sets for x in ("--set", s)]]) == 0
+    assert json.loads((run / "summary.json").read_text())["model_format"] == "peft"
+    files = {p.name for p in (run / "model").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    assert json.loads((run / "model" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base)
+    adapter = load_file(run / "model" / "adapter_model.safetensors")
+    assert all(k.startswith("base_model.model.model.layers.") for k in adapter)
+    assert any("lora_B" in k and v.abs().sum() > 0 for k, v in adapter.items())  # trained: B left zero
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), run / "model")
+    _, mesh, _ = load_mesh(run)
+    ids = torch.randint(0, 512, (1, 12))
+    with torch.no_grad():
+        want = mesh.logits(ids, torch.ones_like(ids))
+        got = peft(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "a")]) == 0
+    again = load_file(tmp_path / "a" / "adapter_model.safetensors")
+    assert again.keys() == adapter.keys() and all(torch.equal(again[k], adapter[k]) for k in adapter)
+    assert main(["export", "--run", str(run), "--out", str(tmp_path / "m"), "--lora-save", "merged"]) == 0
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m")(input_ids=ids).logits
+    torch.testing.assert_close(merged, want, rtol=1e-4, atol=1e-4)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "r2"), "--quiet", "--set", "model.name=tiny-llama",
+                 "--set", "train.lora.rank=4", "--set", "train.lora.save=adapter"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "random preset" in err[0], err
+
+
 def test_merge_lora_folds_the_adapter_update():
     model = lora_model()
     for n, p in model.named_parameters():
@@ -166,5 +214,11 @@ def test_merge_lora_folds_the_adapter_update():
 def test_bad_lora_settings_are_clear_errors():
     with pytest.raises(ConfigError, match="train.lora needs rank >= 0"):
         config(train__lora__rank=-1)
+    with pytest.raises(ConfigError, match="train.lora.save must be merged or adapter"):
+        config(train__lora__save="peft")
+    with pytest.raises(ConfigError, match="train.lora.rank = 0 trains none"):
+        config(train__lora__save="adapter")
+    with pytest.raises(ConfigError, match="train.model_rank = 4 is not a rank of this job"):
+        config(train__model_rank=4, mesh__pp=2, mesh__dp=2)
     with pytest.raises(ValueError, match="not modules of this model"):
         lora_model(train__lora__target_modules=["c_attn"])
