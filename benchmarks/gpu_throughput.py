@@ -120,7 +120,8 @@ class PlainLoop:
         batch = to_device(batch, self.device)
         extra = {}
         if self.masked:  # the per-document positions and mask thinpipe's stages compute with
-            extra["position_ids"], extra["attention_mask"] = positions_and_mask(batch["segment_ids"])
+            extra["position_ids"], docs = positions_and_mask(batch["segment_ids"])
+            extra["attention_mask"] = docs.dense()  # a plain transformers model takes the (B, 1, T, T) mask
         with autocast(self.device, self.dtype):
             # use_cache=False: a training loop builds no KV cache (transformers would, by default)
             loss = self.model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False, **extra).loss

@@ -80,7 +80,8 @@ CASES = {
                                                          "--set", "boundary.kind=mask", "--set", "dp.kind=diloco",
                                                          "--set", "dp.inner_steps=2", "--set", "anchor.staleness=2",
                                                          "--set", "anchor.every=1", "--set", "train.lora.rank=4",
-                                                         "--set", "train.steps=5"]),
+                                                         "--set", "train.steps=5",
+                                                         "--set", "train.activation_checkpointing=true"]),
     # (MAPL-VQ has no anchor circuit: its boundary is part of the model, so there is no dense pass.)
     "top-K + AP + DiLoCo, dense push, 2 x 2 + anchor row": (6, [
         "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "mesh.anchor=1",

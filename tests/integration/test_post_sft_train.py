@@ -344,7 +344,7 @@ def test_anchor_rows_round_trip_and_a_peers_bad_rows_are_refused():
     check_rows(rows, ("advantages",), 2, 8, 32)
     back = unpack_rows(rows, 3, 1, "cpu", None)
     assert [c.loss_scale for c in back] == [1.0 / 3] * 2 and back[1].extras["advantages"].tolist() == [-0.5]
-    assert all(torch.equal(a.input_ids, b.input_ids) and torch.equal(a.attn_mask, b.attn_mask)
+    assert all(torch.equal(a.input_ids, b.input_ids) and a.attn_mask == b.attn_mask
                for a, b in zip(ctxs, back))
     for bad in ({**rows, "input_ids": rows["input_ids"] + 40},           # token ids past the vocabulary
                 {**rows, "extra": torch.zeros(2)},                        # a tensor it never sends

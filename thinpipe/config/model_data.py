@@ -23,6 +23,11 @@ class ModelConfig:
     a ``tokenizer.json`` (the embedding grows to its vocabulary when that exceeds 32,000). Other models bring
     their own."""
 
+    attention: str = "packed"
+    """How packed documents attend: ``packed`` (each document's causal attention by the fused kernels, no T x T mask:
+    ``models/packed_attention.py``) or ``mask`` (a dense (B, 1, T, T) boolean mask, the path before issue 51, for
+    comparison). Families whose attention needs eager (Gemma 2's soft-cap) take the mask either way."""
+
     init_from: str = ""
     """Where this run's starting weights came from (``train --init-from``: a run folder or a Hugging
     Face folder; weights only, fresh optimizer and schedule). Recorded for the record: ``name``
@@ -34,6 +39,8 @@ class ModelConfig:
         if self.tokenizer and not self.name.startswith("llama-"):
             raise ConfigError(f"model.tokenizer = {self.tokenizer!r} applies to the random scale presets (llama-150m, "
                               f"llama-500m, llama-1b); model {self.name!r} brings its own tokenizer: unset it")
+        if self.attention not in ("packed", "mask"):
+            raise ConfigError(f"model.attention must be packed or mask, got {self.attention!r}")
         if self.tied not in ("sync", "untie"):
             raise ConfigError(f"model.tied must be sync or untie, got {self.tied!r}")
 

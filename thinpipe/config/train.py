@@ -81,6 +81,14 @@ class TrainConfig:
     deterministic: bool = False
     """CUDA only: refuse kernels without a deterministic implementation (slower; CPU runs are always
     deterministic)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input in the forward and recompute its activations in the backward (per
+    layer of every stage; anchor-priors App. I: "gradient checkpointing enabled"): less memory for one more forward;
+    the same loss and gradients."""
+    loss_chunk_tokens: int = 4096
+    """The last stage computes the head and the next-token loss over at most this many tokens at a time, recomputed
+    in the backward, so the (tokens x vocabulary) logits and their gradient never exist whole (0 = all at once;
+    objectives that read the logits, DPO and GSPO, take them whole)."""
     checkpoint_every: int = 50
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -139,6 +147,9 @@ class TrainConfig:
             raise ConfigError(f"train.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.loss_chunk_tokens < 0:
+            raise ConfigError(f"train.loss_chunk_tokens must be >= 0 (0 = the whole microbatch at once), got "
+                              f"{self.loss_chunk_tokens}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.checkpoint_every < 0:

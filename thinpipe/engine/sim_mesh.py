@@ -30,7 +30,7 @@ from thinpipe.models.stages import Stage, build_stages
 from thinpipe.objective.registry import anchor_contexts
 from thinpipe.placement import autocast, compute_dtype_name, to_device
 from thinpipe.rank.context import MicrobatchContext, make_contexts, positions_and_mask
-from thinpipe.rank.from_config import DTYPES, lr_at, wire_dtype
+from thinpipe.rank.from_config import DTYPES, configure_stage, lr_at, wire_dtype
 from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
 from thinpipe.rank.stage_rank import StageRank
@@ -50,7 +50,8 @@ class SimMesh:
         # One boundary object per link and replica, holding both ends (in simulation both ends are
         # this process). Learned kinds register their parameters on the stage that owns them; the
         # other end computes with a copy that is synced over the wire (``sync_boundary_*``).
-        self.replicas: list[list[Stage]] = [build_stages(model, m.split or None, m.pp) for _ in range(m.dp)]
+        self.replicas: list[list[Stage]] = [
+            [configure_stage(st, cfg) for st in build_stages(model, m.split or None, m.pp)] for _ in range(m.dp)]
         self.replica_boundaries = [build_boundaries(cfg.boundary, m.pp, hidden, t.seed, on_wire, model)
                                    for _ in range(m.dp)]
         for stages, bounds in zip(self.replicas, self.replica_boundaries):

@@ -21,9 +21,12 @@ import copy
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from thinpipe.config import ConfigError
+from thinpipe.console import say
 from thinpipe.models.families import Family, additive_mask, family_of, sliding_window_mask
+from thinpipe.models.packed_attention import ATTENTION, Documents, register
 
 
 def balanced_split(num_layers: int, num_stages: int) -> list[int]:
@@ -53,6 +56,28 @@ def _rename_legacy_boundary_keys(module, state_dict, prefix, *args) -> None:
 
 
 
+def chunked_next_token_loss(h: torch.Tensor, labels: torch.Tensor, head, chunk_tokens: int) -> torch.Tensor:
+    """``next_token_loss(head(h), labels)`` over at most ``chunk_tokens`` tokens of logits at a time: each chunk's
+    head and cross-entropy run under activation checkpointing, so neither the (B, T, V) logits nor their gradient
+    exist at once (the memory of Liger's fused linear cross-entropy, by recomputation). Position t's target is
+    ``labels[:, t + 1]`` as in ``next_token_loss``; the sum's order differs, so it equals to float rounding."""
+    b, t, _ = h.shape
+    span = max(1, chunk_tokens // b)
+    targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # position t's target; the last position has none
+
+    def part(hc: torch.Tensor, tc: torch.Tensor) -> torch.Tensor:
+        logits = head(hc).float()
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tc.reshape(-1), ignore_index=-100,
+                               reduction="sum")
+
+    grad = torch.is_grad_enabled()
+    total = h.new_zeros((), dtype=torch.float32)
+    for a in range(0, t, span):
+        hc, tc = h[:, a:a + span], targets[:, a:a + span]
+        total = total + (checkpoint(part, hc, tc, use_reentrant=False) if grad else part(hc, tc))
+    return total
+
+
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum over positions of -log p(labels[t + 1] | ..t), labels -100 ignored: ``cross_entropy`` of the
     shifted logits, bitwise, without copying them.
@@ -72,7 +97,16 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.nll_loss(picked, keep, ignore_index=-100, reduction="sum")
 
 class Stage(nn.Module):
-    """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?"""
+    """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?
+
+    How it computes, set from the run's config (``rank/from_config.py: configure_stage``): ``packed_attention``
+    (``model.attention``: packed documents without a T x T mask, or the dense mask), ``checkpoint_layers``
+    (``train.activation_checkpointing``: each decoder layer's activations recomputed in the backward) and
+    ``loss_chunk_tokens`` (``train.loss_chunk_tokens``: the head and loss over at most that many tokens at once)."""
+
+    packed_attention = True
+    checkpoint_layers = False
+    loss_chunk_tokens = 0
 
     def __init__(self, index: int, num_stages: int, first_layer: int, layers: list[nn.Module], rotary: nn.Module,
                  embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
@@ -116,6 +150,8 @@ class Stage(nn.Module):
             return h
         if getattr(ctx, "loss_fn", None) is not None:  # an objective after SFT (thinpipe/objective/)
             return ctx.loss_fn(self.logits(h).float(), ctx)
+        if self.loss_chunk_tokens and h.shape[0] * h.shape[1] > self.loss_chunk_tokens:
+            return chunked_next_token_loss(h, ctx.labels, self.logits, self.loss_chunk_tokens) * ctx.loss_scale
         return next_token_loss(self.logits(h).float(), ctx.labels) * ctx.loss_scale
 
     def hidden_states(self, x: torch.Tensor, ctx, cache=None) -> torch.Tensor:
@@ -131,9 +167,14 @@ class Stage(nn.Module):
         pos = self.position_embeddings(h, ctx.position_ids)
         masks = self.layer_masks(ctx.attn_mask)
         kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
+        recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         for layer, kind, window in zip(self.layers.values(), self.layer_types, self.windows):
-            h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids, position_embeddings=pos[kind],
-                      **kv)
+            if recompute:  # only the layer's input is kept; its activations are recomputed in the backward
+                h = checkpoint(layer, h, use_reentrant=False, attention_mask=masks[window],
+                               position_ids=ctx.position_ids, position_embeddings=pos[kind])
+            else:
+                h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids,
+                          position_embeddings=pos[kind], **kv)
         return h
 
     def position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict:
@@ -143,9 +184,17 @@ class Stage(nn.Module):
         pos = self.rotary_emb(h, position_ids)
         return dict.fromkeys(self.layer_types, pos)
 
-    def layer_masks(self, mask: torch.Tensor) -> dict:
-        """The attention mask per sliding window of this stage's layers (None: full): the packed-document
-        causal ``mask`` (B, 1, q, kv) restricted to each window, additive floats for eager attention."""
+    def layer_masks(self, mask: Documents | torch.Tensor) -> dict:
+        """The attention mask per sliding window of this stage's layers (None: full): packed documents' spans
+        with the window (``models/packed_attention.py``), or the packed-document causal ``mask`` (B, 1, q, kv)
+        restricted to each window, additive floats for eager attention."""
+        if isinstance(mask, Documents):
+            if self.packed_attention and self.model_config._attn_implementation == ATTENTION:
+                return {window: mask.with_window(window) for window in dict.fromkeys(self.windows)}
+            if self.packed_attention:
+                _say_once(f"[thinpipe] {self.family.model_type} runs eager attention (its attention soft-cap): packed "
+                          "documents take the dense T x T mask")
+            mask = mask.dense()
         out = {}
         for window in dict.fromkeys(self.windows):
             m = mask if window is None else sliding_window_mask(mask, window)
@@ -166,6 +215,15 @@ class Stage(nn.Module):
         return out
 
 
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    if line not in _SAID:
+        _SAID.add(line)
+        say(line)
+
+
 def hf_name(stage_name: str) -> str:
     """A stage's parameter name -> its name in the Hugging Face model (stages keep the inner
     model's names: ``layers.3.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight``)."""
@@ -178,7 +236,10 @@ def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> 
     family = family_of(model.config)
     # the attention the family is exact with (eager for Gemma 2's attention soft-cap): on the copy, whose
     # layers read it from their config at every call
-    model.config._attn_implementation = family.attn_implementation(model.config)
+    # (thinpipe's packed-document attention where it would be SDPA: it hands every other mask to SDPA unchanged)
+    register()
+    attn = family.attn_implementation(model.config)
+    model.config._attn_implementation = ATTENTION if attn == "sdpa" else attn
     inner = model.model
     layers = list(inner.layers)
     split = list(split) if split else balanced_split(len(layers), num_stages)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from thinpipe.data.packing import position_ids_from_segments
+from thinpipe.models.packed_attention import Documents
 
 
 @dataclass
@@ -22,7 +23,8 @@ class MicrobatchContext:
     input_ids: torch.Tensor      # (B, T) int64
     labels: torch.Tensor         # (B, T) int64, -100 = no loss
     position_ids: torch.Tensor   # (B, T) position within the packed document
-    attn_mask: torch.Tensor      # (B, 1, T, T) bool, True = may attend
+    attn_mask: Documents | torch.Tensor  # packed documents' spans (models/packed_attention.py), or a (B, 1, T, kv)
+    #                                      bool mask, True = may attend (KV-cached generation)
     loss_scale: float            # 1 / loss tokens in the whole step (so microbatch losses sum to the mean)
     # An objective's own loss (thinpipe/objective/): the last stage's loss of (logits, ctx) instead of the
     # next-token loss, the per-row tensors it reads (advantages, old or reference log-probs) and what it
@@ -40,16 +42,11 @@ class MicrobatchContext:
         return self.input_ids.numel()
 
 
-def positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block-diagonal causal attention over packed documents, and positions restarting per document.
-
-    Padding (segment -1) attends causally among itself so no row of the mask is empty (an empty row
-    gives NaN in SDPA); its labels are -100, so it never reaches the loss."""
-    t = segment_ids.shape[1]
-    position_ids = position_ids_from_segments(segment_ids)
-    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)
-    causal = torch.ones(t, t, dtype=torch.bool, device=segment_ids.device).tril()
-    return position_ids, (same & causal).unsqueeze(1)
+def positions_and_mask(segment_ids: torch.Tensor) -> tuple[torch.Tensor, Documents]:
+    """Positions restarting per packed document, and block-diagonal causal attention over the documents as their
+    spans (no T x T mask: ``models/packed_attention.py``; padding, segment -1, is a run of its own that attends
+    causally among itself, its labels -100)."""
+    return position_ids_from_segments(segment_ids), Documents.from_segments(segment_ids)
 
 
 def make_contexts(batch: dict, microbatches: int, step: int, replica: int) -> list[MicrobatchContext]:

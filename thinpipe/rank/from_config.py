@@ -83,7 +83,25 @@ class LoadedStage:
     hidden_size: int
 
 
+def configure_stage(stage, cfg: Config):
+    """``stage`` computing as the run's config says (``models/stages.py: Stage``): packed-document attention
+    (``model.attention``), activation checkpointing, the chunked loss. Every place that builds a run's stages
+    calls it (this module's ``load_stage``, ``SimMesh``, the simulated anchor circuit)."""
+    stage.packed_attention = cfg.model.attention == "packed"
+    stage.checkpoint_layers = cfg.train.activation_checkpointing
+    stage.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    return stage
+
+
 def load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
+    """Stage ``index`` configured (``configure_stage``) as ``_load_stage`` reads it."""
+    loaded = _load_stage(cfg, index, whole)
+    for st in loaded.stages:
+        configure_stage(st, cfg)
+    return loaded
+
+
+def _load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
     """Stage ``index`` of the configured model (seeded, with LoRA when configured), equal tensor for
     tensor to ``build_stages(load(cfg).model, ...)[index]``, holding only its own weights: from a
     safetensors folder (a Hugging Face folder; SmolLM2 and a .gguf after their one-time conversion)
