@@ -8,7 +8,9 @@ step time after warm-up, its tokens/s and the ratio thinpipe / plain (the target
                 (``boundary.kind = identity``), the run's own optimizer, clip and lr schedule.
   plain         the model as one ``AutoModelForCausalLM`` (loaded as thinpipe/models/loading.py
                 loads it), ``model(input_ids, labels, position_ids, attention_mask)`` with the same
-                per-document positions and block-diagonal mask thinpipe computes with, backward,
+                per-document positions and the block-diagonal attention as a dense (B, 1, T, T) mask (since
+                issue 51 thinpipe itself runs it per document without one: models/packed_attention.py, so
+                this arm is what a transformers loop pays for the same attention), backward,
                 ``clip_grad_norm_``, AdamW with thinpipe's settings (fused), ``zero_grad``: the same
                 arithmetic, so the ratio is the engine's overhead alone.
   plain-causal  the same loop without positions and mask (a plain causal mask over the packed row):

@@ -68,7 +68,8 @@ def _run_model(runs: list[Path], sets: list[str]):
 
     check_run(runs)
     cfg, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0])
-    apply_overrides(cfg, {**parse_sets(sets), "train.lora.rank": 0}, source="--set")  # the adapters are merged
+    # the adapters are merged into the model probed
+    apply_overrides(cfg, {**parse_sets(sets), "train.lora.rank": 0, "train.lora.save": "merged"}, source="--set")
     cfg.validate()
     return cfg, LoadedModel(model, tokenizer, str(runs[0]))
 

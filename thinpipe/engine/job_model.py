@@ -51,11 +51,20 @@ def architectural_line(cfg: Config) -> str:
 
 
 def skeleton(cfg: Config):
-    """(the whole model as ``load`` builds it, its stages) on the CPU, for the shares to go into; the global RNG
-    is left as it was (``load`` seeds it)."""
+    """(the whole model as ``load`` builds it, on the CPU, for the shares to go into; its stages on the meta
+    device: the names, shapes and dtypes each share has, no memory); the global RNG is left as it was (``load``
+    seeds it)."""
     with torch.random.fork_rng(devices=[]):
         loaded = load(cfg)
-    return loaded, build_stages(loaded.model, cfg.mesh.split or None, cfg.mesh.pp)
+    return loaded, build_stages(_meta_copy(loaded.model), cfg.mesh.split or None, cfg.mesh.pp)
+
+
+def _meta_copy(model):
+    """``model``'s structure with every parameter and buffer on the meta device (a deep copy costs no memory)."""
+    memo: dict[int, torch.Tensor] = {id(b): torch.empty_like(b, device="meta") for b in model.buffers()}
+    memo.update({id(p): torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+                 for p in model.parameters()})  # tied matrices: one object, one entry, still tied
+    return copy.deepcopy(model, memo)
 
 
 def flat(share: dict[str, torch.Tensor]) -> Payload:
@@ -98,7 +107,7 @@ def write_model(loaded, shares: list[dict[str, torch.Tensor]], dest: Path, cfg: 
     state: dict[str, torch.Tensor] = {}
     for share in shares:
         state.update(share)
-    save_model(merge_state(loaded.model, state), loaded.tokenizer, dest, cfg)
+    save_model(merge_state(loaded.model, state, in_place=True), loaded.tokenizer, dest, cfg)
 
 
 def adapter_only(cfg: Config) -> bool:

@@ -18,11 +18,11 @@ import torch
 from thinpipe.checkpoint import latest_complete, refuse_legacy, restoring
 from thinpipe.config import Config, ConfigError, load_config
 from thinpipe.console import say
-from thinpipe.engine.job_model import MODEL_DIR, architectural_line, save_model, write_into
+from thinpipe.engine.job_model import MODEL_DIR, adapter_only, architectural_line, save_model, write_into
 from thinpipe.engine.run_parts import REPLICA_FOLDER, has_parts, mesh_state, read_parts
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.models import merge_stages
-from thinpipe.models.loading import save_weights
+from thinpipe.models.loading import is_random_preset, resolve_model_name, save_weights
 from thinpipe.models.lora import merge_lora
 from thinpipe.placement import resolve_device
 from thinpipe.rank.from_config import load
@@ -239,10 +239,14 @@ def export(run_dir: str | Path | list, out: str | Path, overwrite: bool = False,
     for r in runs:
         refuse_nested(r, out, f"--run {r} and --out {out}")
     written = _earlier_export(out, overwrite)
-    cfg, model, tokenizer = load_run(runs if len(runs) > 1 else runs[0], merge=False)
-    if lora_save is not None:
+    cfg = run_config(runs)
+    if lora_save is not None:  # checked before any weights are read
         cfg.train.lora.save = lora_save
         cfg.train.lora.validate()
+    if adapter_only(cfg) and is_random_preset(resolve_model_name(cfg.model.name)):
+        raise ConfigError(f"--lora-save adapter names the base model's folder, but {cfg.model.name} is a random "
+                          "preset with none on disk: export the merged model (--lora-save merged)")
+    model, tokenizer = load_run(runs if len(runs) > 1 else runs[0], merge=False)[1:]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".export-"))
     old = None

@@ -129,6 +129,14 @@ class Stage(nn.Module):
         self.boundary_modules = nn.ModuleDict()
         self.boundary_modules.register_load_state_dict_pre_hook(_rename_legacy_boundary_keys)
 
+    def parameters_in_model_order(self) -> list[nn.Parameter]:
+        """This stage's parameters in the unsplit Hugging Face model's order (the embedding before the layers; the
+        module registers it after them): concatenated over the stages, every split gives the same sequence, so a
+        reduction over it (the global gradient norm) is the unsplit model's, bitwise, whatever the split."""
+        first = [] if self.embed_tokens is None else list(self.embed_tokens.parameters())
+        ids = {id(p) for p in first}
+        return first + [p for p in self.parameters() if id(p) not in ids]
+
     @property
     def eager(self) -> bool:
         """Whether the layers run eager attention (read from the config they read it from): it adds its mask."""
@@ -280,10 +288,10 @@ def merge_stages(template: nn.Module, stages: list[Stage]) -> nn.Module:
     return merge_state(template, state)
 
 
-def merge_state(template: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A standalone Hugging Face model: a copy of ``template`` holding ``state`` (every stage's ``hf_state_dict``
-    together, which must cover the model)."""
-    model = copy.deepcopy(template)
+def merge_state(template: nn.Module, state: dict[str, torch.Tensor], in_place: bool = False) -> nn.Module:
+    """A standalone Hugging Face model: a copy of ``template`` (or ``template`` itself, ``in_place``: one copy of the
+    model less) holding ``state`` (every stage's ``hf_state_dict`` together, which must cover the model)."""
+    model = template if in_place else copy.deepcopy(template)
     if model.config.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             model.config.tie_word_embeddings = False

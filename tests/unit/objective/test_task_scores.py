@@ -46,3 +46,20 @@ def test_a_request_too_long_keeps_its_choice_and_the_end_of_its_context():
     assert bytes(ctx) == b"abcdefgh"[-(6 - len(cont)):]
     (ctx, cont), = request_rows(ByteTokenizer(), [item], max_len=50)
     assert bytes(ctx) + bytes(cont) == b"abcdefgh yz"
+
+
+def test_each_rows_log_likelihood_is_what_thinpipe_eval_scores():
+    """Row by row (not only the accuracy they add up to): the training-time scorer's summed choice
+    log-likelihoods equal eval/loglik's over the same mesh's logits."""
+    from tests.helpers import config
+    from thinpipe.engine.sim_engine import SimEngine
+    from thinpipe.eval.multiple_choice import score_items
+
+    engine = SimEngine(config(model__name="tiny-llama", data__name="synthetic", mesh__pp=2, train__batch_size=3,
+                              eval__tasks=["arc_easy"], eval__limit=3))
+    scores = engine.objective.scores
+    got = scores.loglik(scores.rows["arc_easy"])
+    want = score_items(lambda ids, mask: engine.mesh.logits(ids, mask), ByteTokenizer(), scores.items["arc_easy"],
+                       progress=False)
+    assert len(got) == sum(len(x) for x in want) > 3
+    assert got == pytest.approx([ll for item in want for ll in item], rel=1e-5, abs=1e-4)
