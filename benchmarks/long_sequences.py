@@ -13,7 +13,8 @@ Then the issue's checkpointing case: one step of ``llama-150m`` (one stage, LoRA
 
 Then one training step of ``--model`` at ``--engine-length`` tokens (2 stages, synthetic data packed into the
 row) in both engines, ``thinpipe train`` (the simulation) and ``thinpipe launch --nproc 2`` (two real processes):
-their wall time, peak RSS (the largest process of each: ``RUSAGE_CHILDREN``) and losses, which must be equal. And
+their wall time, the simulation's peak RSS (``RUSAGE_CHILDREN``; a dist rank's is not visible there) and losses,
+which must be equal. And
 two steps of each frontier codec, and of the mask boundary with the anchor circuit, at that length in the
 simulation (``--codecs``).
 
@@ -101,7 +102,10 @@ def run_engine(engine: str, model: str, length: int, out: Path, more: list[str] 
     if code != 0:
         return {"engine": engine, "error": (r.stderr.strip().splitlines() or ["?"])[-1]}
     s = json.loads((out / "summary.json").read_text())
-    return {"engine": engine, "T": length, "wall_s": wall, "step_wall_s": s["wall_s"], "peak_rss_bytes": peak,
+    # the dist ranks are forked by the launcher's forkserver (commands/rank_starter.py), whose children's peaks
+    # RUSAGE_CHILDREN does not see: only the simulation's peak is recorded
+    return {"engine": engine, "T": length, "wall_s": wall, "step_wall_s": s["wall_s"],
+            "peak_rss_bytes": peak if engine == "sim" else None,
             "final_train_loss": s["final_train_loss"], "final_val_loss": s["final_val_loss"]}
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.helpers import assert_same_model
+from tests.helpers import assert_same_model, assert_same_model_folder
 from tests.integration.test_dist import launch
 from tests.integration.test_post_sft_train import as_args, dpo_sets, gspo_sets, pairs_file, prompts_file
 from thinpipe.cli import main
@@ -48,6 +48,7 @@ def test_dist_equals_sim_after_sft(case, tmp_path, one_thread):  # noqa: F811
     assert same(tmp_path / "sim", tmp_path / "dist")
     if case.startswith("gspo: mask"):  # a full fine-tune's model read back from the ranks' parts (issue 50)
         assert_same_model(tmp_path / "dist", tmp_path / "sim")
+        assert_same_model_folder(tmp_path / "dist" / "model", tmp_path / "sim" / "model")  # and written at its end
 
 
 ANCHOR_CASES = {
