@@ -141,12 +141,13 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
     n_rep = query.shape[1] // key.shape[1]
     key, value = _repeat_kv(key, n_rep), _repeat_kv(value, n_rep)
     docs, window = attention_mask, attention_mask.window
-    b, h, t, d = query.shape
+    b, h, t, _ = query.shape
     if all(s == ((0, t),) for s in docs.spans):  # unpacked rows, the common case: one call
         out = _doc_attention(query, key, value, window, scaling, dropout)
         return out.transpose(1, 2).contiguous(), None
     # documents a window does not cut run batched by length; longer ones by query blocks, one at a time
-    flat = [x.transpose(1, 2).reshape(b * t, h, d) for x in (query, key, value)]
+    flat = [x.transpose(1, 2).reshape(b * t, h, x.shape[-1]) for x in (query, key, value)]  # (a value's width may
+    #                                                                                          differ from a key's)
     short = [(r, s, e) for r, spans in enumerate(docs.spans) for s, e in spans if window is None or e - s <= window]
     long = [(r, s, e) for r, spans in enumerate(docs.spans) for s, e in spans if window is not None and e - s > window]
     where, outs = [], []
@@ -160,8 +161,8 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         where.append(torch.arange(r * t + s, r * t + e, device=query.device))
         outs.append(o[0].transpose(0, 1))
     values = torch.cat(outs)  # autocast's dtype (bfloat16 from float32 queries)
-    out = values.new_zeros(b * t, h, d).index_put((torch.cat(where),), values)
-    return out.view(b, t, h, d), None
+    out = values.new_zeros(b * t, h, values.shape[-1]).index_put((torch.cat(where),), values)
+    return out.view(b, t, h, -1), None
 
 
 def register() -> None:
