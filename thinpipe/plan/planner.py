@@ -70,6 +70,10 @@ ARCHITECTURES = {
     "smollm2-135m": Architecture(134.5e6, 30, 576, 1536, 9, 3, 49152, True),
     "small-llama": Architecture(1.7e6, 8, 128, 384, 4, 4, 512, False),
     "tiny-llama": Architecture(0.3e6, 4, 64, 128, 4, 4, 512, False),
+    # the MAPL paper's scales (models/presets.py: SCALES; vocabulary 32,000, untied, multi-head attention)
+    "llama-150m": Architecture(177_622_016, 9, 1024, 2688, 8, 8, 32000, False),
+    "llama-500m": Architecture(607_968_768, 18, 1536, 4096, 12, 12, 32000, False),
+    "llama-1b": Architecture(1_135_167_488, 20, 2048, 5440, 16, 16, 32000, False),
 }
 
 

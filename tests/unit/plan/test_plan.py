@@ -537,3 +537,25 @@ def test_plan_adds_the_churn_row_only_when_asked(capsys):
     assert c["restart_s"] == 30 and 0 < c["tokens_per_s"] < r["tokens_per_s"]
     assert c["stall_per_failure_s"] == pytest.approx(5.0 + r["step_time_s"])
     assert main(["plan", "--preset", "paper-llama1b", "--replica-mtbf-h", "0"]) == 2
+
+
+@pytest.mark.parametrize("name", ["llama-150m", "llama-500m", "llama-1b"])
+def test_the_planner_knows_the_scale_presets_as_they_are_built(name):
+    """ARCHITECTURES' rows for the scale presets are their models' shapes and parameter counts (built on the meta
+    device: no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from thinpipe.models.presets import scale_config
+    from thinpipe.plan.planner import ARCHITECTURES
+
+    config = scale_config(name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    arch = ARCHITECTURES[name]
+    assert (arch.layers, arch.hidden, arch.intermediate, arch.heads, arch.kv_heads, arch.vocab, arch.tied) == (
+        config.num_hidden_layers, config.hidden_size, config.intermediate_size, config.num_attention_heads,
+        config.num_key_value_heads, config.vocab_size, config.tie_word_embeddings)
+    assert arch.params == sum(p.numel() for p in model.parameters())
+    assert main(["plan", "--set", f"model.name={name}", "--set", "mesh.pp=4", "--set", "link.pp_mbps=200",
+                 "--json"]) == 0
