@@ -39,15 +39,11 @@ class Documents:
 
     @classmethod
     def from_segments(cls, segment_ids: torch.Tensor) -> "Documents":
-        rows = []
-        for row in segment_ids.tolist():
-            spans, start = [], 0
-            for i in range(1, len(row) + 1):
-                if i == len(row) or row[i] != row[start]:
-                    spans.append((start, i))
-                    start = i
-            rows.append(tuple(spans))
-        return cls(tuple(rows), segment_ids.shape[1], None, segment_ids)
+        t, rows = segment_ids.shape[1], []
+        for row in segment_ids:  # a run ends where the segment id changes
+            edges = [0, *(row[1:] != row[:-1]).nonzero().flatten().add(1).tolist(), t]
+            rows.append(tuple(zip(edges[:-1], edges[1:])))
+        return cls(tuple(rows), t, None, segment_ids)
 
     def with_window(self, window: int | None) -> "Documents":
         return replace(self, window=window)
