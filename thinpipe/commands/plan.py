@@ -8,6 +8,7 @@ import json
 from thinpipe.config import ConfigError, load_config
 from thinpipe.plan.advice import advise
 from thinpipe.plan.device import resolve_device
+from thinpipe.plan.memory import fit
 from thinpipe.plan.planner import ARCHITECTURES, PRESET_DEVICE, PRESETS, plan
 from thinpipe.plan.report import print_advice, print_plan
 
@@ -35,6 +36,9 @@ def add_arguments(pl: argparse.ArgumentParser) -> None:
     pl.add_argument("--max-mbps", type=float,
                     help="advice: every link at this many Mbit/s; without --target-tps, the least compression at which "
                          "the links keep up with compute (overlapped)")
+    pl.add_argument("--memory-gb", type=float, metavar="N",
+                    help="each rank's device (or, with --device cpu, machine) holds N GiB: say whether every rank's "
+                         "predicted peak fits and, if not, the cheapest change that makes it fit (exit 1 if none)")
     pl.add_argument("--probe",
                     help="advice within a quality bound: a probe.json of `thinpipe probe` (same model, stages)")
     pl.add_argument("--max-damage", type=float, default=0.01, help="with --probe: the largest forward damage accepted, "
@@ -69,10 +73,15 @@ def run(args) -> int:
         raise ConfigError(f"--replica-mtbf-h must be > 0 hours, got {args.replica_mtbf_h}")
     if args.restart_s < 0:
         raise ConfigError(f"--restart-s must be >= 0 seconds, got {args.restart_s}")
-    result = plan(cfg, device, replica_mtbf_h=args.replica_mtbf_h, restart_s=args.restart_s)
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        raise ConfigError(f"--memory-gb must be > 0 GiB (each rank's memory), got {args.memory_gb}")
+    result = plan(cfg, device, replica_mtbf_h=args.replica_mtbf_h, restart_s=args.restart_s, memory_device=name)
     result["device"] = name
+    if args.memory_gb is not None:
+        result["memory"]["fit"] = fit(cfg, ARCHITECTURES[cfg.model.name], name, args.memory_gb)
+    code = 0 if args.memory_gb is None or result["memory"]["fit"]["fits"] or result["memory"]["fit"]["change"] else 1
     if args.json:
         print(json.dumps(result, indent=2))
-        return 0
+        return code
     print_plan(result, name)
-    return 0
+    return code

@@ -286,6 +286,8 @@ class DistEngine:
             self.eval_transport.send(ModelShare(self.role.stage, writer), flat(share), None)
             self.eval_transport.flush()
         if self.rank == writer:
+            for p in self.stage.parameters():  # the last step's gradients: nothing reads them now, the model needs room
+                p.grad = None
             loaded, stages = skeleton(self.cfg)
             shares = [share if share is not None and self.layout.grid[0][s] == self.rank else
                       unflat(self.eval_transport.recv(ModelShare(s, writer), flat_expect(stages[s])), stages[s])

@@ -31,7 +31,7 @@ from thinpipe.config import Config
 from thinpipe.models.loading import model_folder, save_weights
 from thinpipe.models.lora import merge_lora
 from thinpipe.models.stages import Stage, build_stages, hf_name, merge_state
-from thinpipe.rank.from_config import load
+from thinpipe.rank.from_config import load_empty
 
 MODEL_DIR = "model"
 
@@ -51,11 +51,12 @@ def architectural_line(cfg: Config) -> str:
 
 
 def skeleton(cfg: Config):
-    """(the whole model as ``load`` builds it, on the CPU, for the shares to go into; its stages on the meta
+    """(the whole model as ``load`` builds it, its parameters on the meta device where it can be
+    (``load_empty``): the shares are assigned into it, so the writer holds the model once; its stages on the meta
     device: the names, shapes and dtypes each share has, no memory); the global RNG is left as it was (``load``
     seeds it)."""
     with torch.random.fork_rng(devices=[]):
-        loaded = load(cfg)
+        loaded = load_empty(cfg)
     return loaded, build_stages(_meta_copy(loaded.model), cfg.mesh.split or None, cfg.mesh.pp)
 
 

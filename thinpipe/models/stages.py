@@ -290,14 +290,25 @@ def merge_stages(template: nn.Module, stages: list[Stage]) -> nn.Module:
 
 def merge_state(template: nn.Module, state: dict[str, torch.Tensor], in_place: bool = False) -> nn.Module:
     """A standalone Hugging Face model: a copy of ``template`` (or ``template`` itself, ``in_place``: one copy of the
-    model less) holding ``state`` (every stage's ``hf_state_dict`` together, which must cover the model)."""
+    model less) holding ``state`` (every stage's ``hf_state_dict`` together, which must cover the model). A template
+    whose parameters are on the meta device (``rank/from_config.py: load_empty``) takes ``state``'s tensors
+    themselves (``assign``: no second copy of the model); a tied head is tied again to the assigned embedding."""
     model = template if in_place else copy.deepcopy(template)
+    assign = any(p.is_meta for p in model.parameters())
     if model.config.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
         if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
             model.config.tie_word_embeddings = False
             model.lm_head.weight = nn.Parameter(state["lm_head.weight"].clone())
-    missing, unexpected = model.load_state_dict(state, strict=False)
+        elif assign:  # the head is the embedding: assigning both would untie them
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
     missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"stage weights do not cover the model: missing {missing}, unexpected {unexpected}")
+    if assign:
+        if model.config.tie_word_embeddings:
+            model.tie_weights()
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"stage weights do not cover the model: {left[:5]} left on the meta device")
     return model

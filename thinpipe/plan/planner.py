@@ -24,6 +24,7 @@ from thinpipe.plan import closed_form as cf
 from thinpipe.plan.churn import churn_tokens_per_s, heal_bytes
 from thinpipe.plan.des import PipelineStep, simulate
 from thinpipe.plan.device import DEVICES, Device  # noqa: F401  (DEVICES: re-exported)
+from thinpipe.plan.memory import predict as predict_memory
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,8 @@ class Architecture:
 ARCHITECTURES = {
     "llama-3.2-1b": Architecture(1.236e9, 16, 2048, 8192, 32, 8, 128256, True),
     "smollm2-135m": Architecture(134.5e6, 30, 576, 1536, 9, 3, 49152, True),
-    "small-llama": Architecture(1.7e6, 8, 128, 384, 4, 4, 512, False),
-    "tiny-llama": Architecture(0.3e6, 4, 64, 128, 4, 4, 512, False),
+    "small-llama": Architecture(1_706_112, 8, 128, 384, 4, 2, 512, False),
+    "tiny-llama": Architecture(213_568, 4, 64, 128, 4, 2, 512, False),
     # the MAPL paper's scales (models/presets.py: SCALES; vocabulary 32,000, untied, multi-head attention)
     "llama-150m": Architecture(177_622_016, 9, 1024, 2688, 8, 8, 32000, False),
     "llama-500m": Architecture(607_968_768, 18, 1536, 4096, 12, 12, 32000, False),
@@ -130,11 +131,12 @@ def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> flo
 
 
 def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf_h: float | None = None,
-         restart_s: float = 60.0) -> dict:
+         restart_s: float = 60.0, memory_device: str | None = None) -> dict:
     """The closed form and schedule simulation of ``cfg`` on ``device``. ``rho_act``: the boundary's
     measured fraction of dense bytes (``thinpipe probe``) for a kind the closed form does not model.
     ``replica_mtbf_h``: with elastic replicas failing this often each (and ``restart_s`` to start
-    one again), the expected tokens/s with churn (``plan/churn.py``)."""
+    one again), the expected tokens/s with churn (``plan/churn.py``). ``memory_device``: the device's name, to
+    predict each rank's peak memory on it (``plan/memory.py``; ``memory`` in the result)."""
     m, t, d, link = cfg.mesh, cfg.train, cfg.dp, cfg.link
     arch = ARCHITECTURES.get(cfg.model.name)
     if arch is None:
@@ -215,6 +217,8 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
         out["churn"] = {"replica_mtbf_h": replica_mtbf_h, "restart_s": restart_s, "heal_s": heal_s,
                         **churn_tokens_per_s(tokens / serial, serial, D, replica_mtbf_h * 3600,
                                              cfg.elastic.heartbeat_timeout_s, restart_s, heal_s)}
+    if memory_device is not None:
+        out["memory"] = predict_memory(cfg, arch, memory_device)
     total = sum(out["bytes_per_token"].values())
     out["bytes_per_token_total"] = total
     # The paper's "Comm. (B/tok)" (Table 1) is this total spread over the K stages (one GPU's links).

@@ -46,6 +46,43 @@ def print_plan(result: dict, name: str) -> None:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    if "memory" in result:
+        print_memory(result["memory"])
+
+
+def print_memory(memory: dict) -> None:
+    """Each rank's predicted peak and its parts (GiB), and ``--memory-gb``'s verdict."""
+    gib = 2 ** 30
+    parts = list(memory["ranks"][0]["parts_bytes"])
+    print(f"\npeak memory per rank on {memory['device']} ({memory['tokens_per_microbatch']:,} tokens per microbatch, "
+          f"activation checkpointing {'on' if memory['activation_checkpointing'] else 'off'}), GiB:")
+    other = memory.get("other_checkpointing")
+    head = ["stage", "layers", "in flight", *parts, "training", "job end", "peak",
+            *([f"peak {other} checkpointing"] if other else [])]
+    rows = [[str(r["stage"]), str(r["layers"]), str(r["microbatches_in_flight"]),
+             *(f"{r['parts_bytes'][p] / gib:.2f}" for p in parts), f"{r['training_peak_bytes'] / gib:.2f}",
+             f"{r['end_peak_bytes'] / gib:.2f}" if "end_peak_bytes" in r else "-", f"{r['peak_bytes'] / gib:.2f}",
+             *([f"{r[f'peak_bytes_{other}_checkpointing'] / gib:.2f}"] if other else [])]
+            for r in memory["ranks"]]
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    for row in [head, *rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
+    print(f"({memory['source']}; job end: the rank that writes the job's model holds all of it)")
+    if memory.get("not_modelled"):
+        print(f"not modelled: {'; '.join(memory['not_modelled'])}")
+    f = memory.get("fit")
+    if f is None:
+        return
+    if f["fits"]:
+        print(f"fits {f['memory_gb']:g} GiB: every rank")
+    elif f["change"]:
+        print(f"does not fit {f['memory_gb']:g} GiB (stages {', '.join(map(str, f['stages_over']))}); the cheapest "
+              f"change that fits ({f['change']}, largest rank {f['largest_peak_bytes'] / gib:.2f} GiB): "
+              + " ".join(f"--set {k}={v}" for k, v in f["settings"].items()))
+    else:
+        print(f"does not fit {f['memory_gb']:g} GiB (stages {', '.join(map(str, f['stages_over']))}), and neither "
+              "more microbatches, activation checkpointing, a split by memory nor LoRA makes it fit: more stages "
+              "(mesh.pp) or a larger device")
 
 
 def print_advice(advice: dict, device: str, as_json: bool) -> int:

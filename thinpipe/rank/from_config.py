@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from transformers import AutoConfig, GenerationConfig
 
 from thinpipe.config import Config, ConfigError
 from thinpipe.data import PackedDataset, batches
@@ -20,7 +21,7 @@ from thinpipe.models.loading import load_tokenizer, model_folder, scale_setup
 from thinpipe.models.lora import apply_lora
 from thinpipe.models.presets import SCALES
 from thinpipe.models.scale_init import ScaleModelOnDisk, scale_stages
-from thinpipe.models.stage_loading import ModelOnDisk, has_safetensors, stage_from_folder
+from thinpipe.models.stage_loading import ModelOnDisk, empty_model, has_safetensors, stage_from_folder
 from thinpipe.optim import cosine_with_warmup
 from thinpipe.placement import DTYPES, compute_dtype_name, resolve_device, use_deterministic
 
@@ -55,6 +56,25 @@ def load(cfg: Config) -> LoadedModel:
     apply_lora(loaded.model, cfg.train.lora, cfg.train.seed)
     check_layers(cfg, loaded.model.config.num_hidden_layers)
     return loaded
+
+
+def load_empty(cfg: Config) -> LoadedModel:
+    """The configured model as ``load`` builds it (LoRA included) with every parameter on the meta device (no
+    memory; buffers real), for a whole model's weights to be assigned into (``engine/job_model.py``: the writer of
+    the job's model then holds its weights once, not a drawn or read copy beside them). From a safetensors folder
+    (its generation config too) and the scale presets; the random presets, a few MB, are loaded as ``load`` does."""
+    folder = model_folder(cfg.model.name)
+    if cfg.model.name in SCALES:
+        tokenizer, config = scale_setup(cfg.model.name, cfg.model.tokenizer)
+    elif folder is not None and has_safetensors(folder):
+        tokenizer, config = load_tokenizer(folder), AutoConfig.from_pretrained(folder)
+    else:
+        return load(cfg)
+    model = empty_model(config)
+    if folder is not None and (folder / "generation_config.json").is_file():  # what from_pretrained reads too
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    apply_lora(model, cfg.train.lora, cfg.train.seed)  # in place: the model keeps its class
+    return LoadedModel(model, tokenizer, cfg.model.name)
 
 
 def check_layers(cfg: Config, n_layers: int) -> None:

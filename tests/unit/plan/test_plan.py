@@ -539,17 +539,17 @@ def test_plan_adds_the_churn_row_only_when_asked(capsys):
     assert main(["plan", "--preset", "paper-llama1b", "--replica-mtbf-h", "0"]) == 2
 
 
-@pytest.mark.parametrize("name", ["llama-150m", "llama-500m", "llama-1b"])
+@pytest.mark.parametrize("name", ["llama-150m", "llama-500m", "llama-1b", "tiny-llama", "small-llama"])
 def test_the_planner_knows_the_scale_presets_as_they_are_built(name):
-    """ARCHITECTURES' rows for the scale presets are their models' shapes and parameter counts (built on the meta
-    device: no weights)."""
+    """ARCHITECTURES' rows for the scale and random presets are their models' shapes and parameter counts (built on
+    the meta device: no weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    from thinpipe.models.presets import scale_config
+    from thinpipe.models.presets import SCALES, scale_config, tiny_config
     from thinpipe.plan.planner import ARCHITECTURES
 
-    config = scale_config(name)
+    config = scale_config(name) if name in SCALES else tiny_config("small" if name == "small-llama" else "llama")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     arch = ARCHITECTURES[name]

@@ -1,0 +1,298 @@
+"""Each rank's peak memory, predicted (issue 51; docs/memory.md, "Predicted per rank").
+
+A rank of a dist job holds one stage (``rank/from_config.py: load_stage``). Its peak is the largest of two moments:
+
+- **training** (from the second step on, when the optimizer's state exists): the stage's fp32 weights, their
+  gradients (what trains: every parameter, or LoRA's adapters), the optimizer's state (AdamW: two moments; Muon:
+  one momentum for the decoder layers' matrices, AdamW's two for the rest), the DP scheme's own state
+  (``DPKind.state_bytes_per_param``: DiLoCo's global copy and outer momentum), and the activations of the
+  microbatches the schedule holds in flight at once (``rank/schedule.py``: 1F1B holds min(K - s, M) on stage s,
+  GPipe all M), each microbatch's received boundary input, the last stage's head and loss, and the backward's
+  transient gradients;
+- **the job's end** on the writer rank (``train.model_rank``, ``engine/job_model.py``): the whole model's fp32
+  weights gathered there (the shares assigned into one model) beside the rank's weights and optimizer state (its
+  gradients released first) and the largest share received in flight.
+
+Activations are not a formula of the architecture: they are what autograd keeps, which depends on transformers'
+layer code, the attention kernel, LoRA's wrappers and the dtype. So one decoder layer of the planned architecture
+(random weights, a 1-layer middle stage built by ``build_stages`` and configured by ``configure_stage`` as a run
+configures it: packed attention, LoRA, checkpointing) runs forward on this machine's CPU at two small token
+counts under ``torch.autograd.graph.saved_tensors_hooks``, which see every tensor kept for the backward; the bytes
+of the distinct storages (parameters excluded: they are counted once above) give bytes per token per layer, a
+straight line in the tokens (the attention kernels keep O(T) per head: no T x T score matrix). With checkpointing
+a layer keeps only its input, and one layer's activations exist at once while it is recomputed.
+
+The runtime floor: a CPU process (torch, transformers, the tokenizer, the packed data) peaks at ~0.45 GiB doing
+nothing else (a 1-stage ``tiny-llama`` job, ``benchmarks/results/scale_memory_floor.json``: 441 MiB; the scale
+presets' 32k BPE tokenizer adds a little); a GPU's CUDA context and allocator reserve are taken as 0.5 GiB.
+What is not modelled (listed in the prediction as ``not_modelled``): the anchor circuit's state on the fast
+ranks (the spectral correction's momentum and basis), a boundary kind's learned modules, and the allocator's
+fragmentation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from thinpipe.config import Config
+from thinpipe.dp.kinds import describe
+from thinpipe.rank.schedule import SCHEDULES
+
+GIB = 2 ** 30
+FLOOR_BYTES = {"cpu": int(0.45 * GIB), "gpu": int(0.5 * GIB)}
+MEASURE_TOKENS = (64, 128)  # the two token counts one layer's saved bytes are measured at (a line through them)
+MEASURE_DOCUMENTS = 4       # packed documents per measured row: the packed path's gathers are kept too
+WEIGHT_BYTES = 4            # fp32 master weights (train.dtype bfloat16 is autocast over fp32 weights)
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """What one decoder layer keeps for its backward, per microbatch of ``tokens`` tokens: ``per_token`` x tokens +
+    ``fixed`` (bytes), and the bytes of its input (what a checkpointed layer keeps)."""
+    per_token: float
+    fixed: float
+    input_per_token: float
+
+    def saved(self, tokens: int) -> float:
+        return self.per_token * tokens + self.fixed
+
+
+def in_flight(schedule: str, stages: int, microbatches: int) -> list[int]:
+    """The most microbatches each stage holds activations of at once under ``schedule`` (forwards done whose
+    backward is not), from the schedule's own action lists (``rank/schedule.py``)."""
+    out = []
+    for row in SCHEDULES[schedule](stages, microbatches):
+        held = peak = 0
+        for kind, _ in row:
+            held += 1 if kind == "F" else -1
+            peak = max(peak, held)
+        out.append(peak)
+    return out
+
+
+def stage_layers(cfg: Config, layers: int) -> list[int]:
+    from thinpipe.models.stages import balanced_split
+
+    return list(cfg.mesh.split) if cfg.mesh.split else balanced_split(layers, cfg.mesh.pp)
+
+
+def lora_params_per_layer(arch, lora) -> int:
+    per_layer = arch.layer_matrices()
+    return sum(lora.rank * (per_layer[t][0] + per_layer[t][1]) for t in lora.target_modules) if lora.rank else 0
+
+
+@lru_cache(maxsize=32)
+def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_rank: int, lora_targets: tuple,
+             checkpointing: bool, attention: str, dtype: str) -> LayerActivations:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from thinpipe.config import load_config
+    from thinpipe.models.lora import apply_lora
+    from thinpipe.models.stages import build_stages
+    from thinpipe.rank.context import positions_and_mask
+    from thinpipe.rank.from_config import configure_stage
+
+    cfg = load_config(None, [f"train.activation_checkpointing={str(checkpointing).lower()}",
+                             f"model.attention={attention}", f"train.lora.rank={lora_rank}"])
+    if lora_rank:
+        cfg.train.lora.target_modules = list(lora_targets)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, num_hidden_layers=3, vocab_size=16,
+                         max_position_embeddings=max(MEASURE_TOKENS))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = apply_lora(LlamaForCausalLM(config).eval(), cfg.train.lora, 0)
+    stage = configure_stage(build_stages(model, [1, 1, 1], 3)[1], cfg).train()  # a middle stage: one layer, no ends
+    del model
+    params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
+    cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
+
+    def saved_bytes(tokens: int) -> tuple[int, int]:
+        storages: dict[int, int] = {}
+
+        def keep(t):
+            s = t.untyped_storage()
+            if s.data_ptr() not in params:
+                storages[s.data_ptr()] = s.nbytes()
+            return t
+
+        seg = torch.arange(tokens) * MEASURE_DOCUMENTS // tokens
+        pos, docs = positions_and_mask(seg[None])
+        ctx = type("Ctx", (), {"position_ids": pos, "attn_mask": docs})()
+        x = torch.randn(1, tokens, hidden, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), cast:
+            out = stage(x, ctx)
+        out.float().sum().backward()
+        return sum(storages.values()), x.numel() * x.element_size()
+
+    (a1, x1), (a2, x2) = (saved_bytes(n) for n in MEASURE_TOKENS)
+    n1, n2 = MEASURE_TOKENS
+    slope = (a2 - a1) / (n2 - n1)
+    return LayerActivations(slope, max(a1 - slope * n1, 0.0), x1 / n1)
+
+
+def layer_activations(cfg: Config, arch, checkpointing: bool | None = None) -> LayerActivations:
+    """One decoder layer of ``arch``'s saved bytes as ``cfg`` trains it (measured here: the module docstring)."""
+    lora = cfg.train.lora
+    ckpt = cfg.train.activation_checkpointing if checkpointing is None else checkpointing
+    return _measure(arch.hidden, arch.intermediate, arch.heads, arch.kv_heads, lora.rank,
+                    tuple(lora.target_modules) if lora.rank else (), ckpt, cfg.model.attention,
+                    "bfloat16" if cfg.train.dtype == "bfloat16" else "float32")
+
+
+def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None = None,
+            microbatches: int | None = None) -> dict:
+    """Each stage's peak bytes for ``cfg`` on ``arch`` (``plan/planner.py: Architecture``), with its parts, as
+    ``thinpipe plan`` prints it (``memory``; ``ranks``: one object per stage). ``device``: ``cpu`` (the fp32 run's
+    peak RSS, the process floor included) or a GPU's name (device memory); ``checkpointing`` and ``microbatches``
+    override the config's (the advice's what-ifs)."""
+    t, m = cfg.train, cfg.mesh
+    K = m.pp
+    M = microbatches or t.microbatches
+    ckpt = t.activation_checkpointing if checkpointing is None else checkpointing
+    split = stage_layers(cfg, arch.layers)
+    per_layer = sum(r * c for r, c in arch.layer_matrices().values()) + 2 * arch.hidden  # + its two norms
+    embed = arch.vocab * arch.hidden
+    lora_layer = lora_params_per_layer(arch, t.lora)
+    tokens = t.batch_size // M * t.seq_len  # one microbatch's
+    flight = in_flight(t.schedule, K, M)
+    act = layer_activations(cfg, arch, ckpt)
+    full = layer_activations(cfg, arch, False) if ckpt else act
+    dp_state = describe(cfg.dp.kind).state_bytes_per_param(cfg.dp) if m.dp > 1 else 0
+    wire = 2 if (cfg.boundary.dtype if cfg.boundary.dtype != "auto" else t.dtype) == "bfloat16" else 4
+    needs_logits = t.objective != "sft" or not t.loss_chunk_tokens or tokens <= t.loss_chunk_tokens
+    floor = FLOOR_BYTES["cpu" if device == "cpu" else "gpu"]
+    stage_params = []
+    for s, n_layers in enumerate(split):
+        params = n_layers * per_layer + (embed if s == 0 else 0)
+        if s == K - 1:
+            params += arch.hidden + (embed if (K > 1 or not arch.tied) else 0)  # final norm; head (a copy if tied)
+        stage_params.append(params)
+    total_params = sum(stage_params) - (embed if arch.tied and K > 1 else 0)
+    ranks = []
+    for s, n_layers in enumerate(split):
+        params = stage_params[s]
+        trained = n_layers * lora_layer if t.lora.rank else params
+        decoder_trained = n_layers * (lora_layer if t.lora.rank else per_layer - 2 * arch.hidden)
+        optim = (4 * decoder_trained + 8 * (trained - decoder_trained) if t.optimizer == "muon" else 8 * trained)
+        weights = WEIGHT_BYTES * params + 4 * (trained if t.lora.rank else 0)  # LoRA: the adapters besides
+        grads, dp = 4 * trained, dp_state * trained
+        kept = act.saved(tokens) if not ckpt else act.input_per_token * tokens + act.fixed  # a layer's, per microbatch
+        activations = flight[s] * n_layers * kept
+        # while one layer's backward runs: its recomputed activations (checkpointing) and its gradients, ~ one
+        # layer's activations each
+        transient = full.saved(tokens) * (2 if ckpt else 1)
+        boundary = flight[s] * tokens * arch.hidden * wire * ((s > 0) + (s < K - 1))  # received input, sent output
+        head = 0.0
+        if s == K - 1:
+            chunk = tokens if needs_logits else t.loss_chunk_tokens
+            head = 3 * chunk * arch.vocab * 4  # logits, their log-softmax and its gradient (fp32)
+        training = floor + weights + grads + optim + dp + activations + transient + boundary + head
+        parts = {"floor": floor, "weights": weights, "gradients": grads, "optimizer": optim, "dp_state": dp,
+                 "activations": activations, "transient": transient, "boundary": boundary, "head": head}
+        row = {"stage": s, "layers": n_layers, "params": params, "trained_params": trained,
+               "microbatches_in_flight": flight[s], "parts_bytes": {k: int(v) for k, v in parts.items()},
+               "training_peak_bytes": int(training)}
+        peak = training
+        if s == t.model_rank:  # the writer of OUT/model (global rank s is replica 0's stage s)
+            largest_other = max((p for i, p in enumerate(stage_params) if i != s), default=0)
+            end = floor + weights + optim + dp + WEIGHT_BYTES * (total_params + largest_other)
+            row["end_peak_bytes"] = int(end)
+            peak = max(peak, end)
+        row["peak_bytes"] = int(peak)
+        ranks.append(row)
+    out = {"source": "plan/memory.py: parameters x bytes; one decoder layer's saved activations measured on this "
+                     "CPU (saved-tensor hooks) x layers x microbatches in flight",
+           "device": device, "tokens_per_microbatch": tokens, "activation_checkpointing": ckpt,
+           "layer_activation_bytes_per_token": act.per_token, "ranks": ranks,
+           "largest_peak_bytes": max(r["peak_bytes"] for r in ranks)}
+    if checkpointing is None:  # the configured run, and beside it the same run with checkpointing switched
+        other = "without" if ckpt else "with"
+        out["other_checkpointing"] = other
+        for row, alt in zip(ranks, predict(cfg, arch, device, not ckpt, microbatches)["ranks"]):
+            row[f"activations_bytes_{other}_checkpointing"] = alt["parts_bytes"]["activations"]
+            row[f"peak_bytes_{other}_checkpointing"] = alt["peak_bytes"]
+    missing = [why for why, on in (("the anchor circuit's state (spectral momentum and basis)", m.anchor),
+                                   ("the boundary's learned modules", cfg.boundary.spec().needs_model)) if on]
+    if missing:
+        out["not_modelled"] = missing
+    return out
+
+
+# What --memory-gb tries when a rank does not fit, cheapest first: more microbatches cost no compute (fewer tokens
+# in flight), checkpointing one more forward per layer, a rebalanced split nothing but moves layers, LoRA changes
+# what trains.
+def _candidates(cfg: Config, arch) -> list[tuple[str, dict[str, str]]]:
+    t, out = cfg.train, []
+    more = [mb for mb in range(t.microbatches + 1, t.batch_size + 1) if t.batch_size % mb == 0]
+    if more:
+        out.append(("more microbatches", {"train.microbatches": str(more[-1])}))
+    if not t.activation_checkpointing:
+        out.append(("activation checkpointing", {"train.activation_checkpointing": "true"}))
+        if more:
+            out.append(("activation checkpointing and more microbatches",
+                        {"train.activation_checkpointing": "true", "train.microbatches": str(more[-1])}))
+    if cfg.mesh.pp > 1:
+        out.append(("a split by memory", {"mesh.split": "auto-memory"}))
+    if not t.lora.rank:
+        out.append(("LoRA (rank 16)", {"train.lora.rank": "16"}))
+        if not t.activation_checkpointing:
+            out.append(("LoRA (rank 16) and activation checkpointing",
+                        {"train.lora.rank": "16", "train.activation_checkpointing": "true"}))
+    return out
+
+
+def _with(cfg: Config, sets: dict[str, str], arch, device: str) -> tuple[Config, dict[str, str]]:
+    """``cfg`` with ``sets`` applied (``mesh.split = auto-memory``: the split found here) and the sets as applied."""
+    sets = dict(sets)
+    if sets.get("mesh.split") == "auto-memory":  # the split whose largest stage peak is least, by moving one layer
+        split = stage_layers(cfg, arch.layers)
+        best = predict(cfg, arch, device)["largest_peak_bytes"]
+        improved = True
+        while improved:
+            improved = False
+            peaks = [r["peak_bytes"] for r in predict(_set(cfg, {"mesh.split": str(split)}), arch, device)["ranks"]]
+            hi = max(range(len(split)), key=peaks.__getitem__)
+            for lo in sorted(range(len(split)), key=peaks.__getitem__):
+                if lo == hi or split[hi] <= 1:
+                    continue
+                trial = list(split)
+                trial[hi] -= 1
+                trial[lo] += 1
+                peak = predict(_set(cfg, {"mesh.split": str(trial)}), arch, device)["largest_peak_bytes"]
+                if peak < best:
+                    split, best, improved = trial, peak, True
+                    break
+        sets["mesh.split"] = str(split)
+    return _set(cfg, sets), sets
+
+
+def _set(cfg: Config, sets: dict[str, str]) -> Config:
+    import copy
+
+    from thinpipe.config import apply_overrides
+
+    new = copy.deepcopy(cfg)
+    apply_overrides(new, sets, source="thinpipe plan --memory-gb")
+    return new.validate()
+
+
+def fit(cfg: Config, arch, device: str, memory_gb: float) -> dict:
+    """Whether every rank's predicted peak fits ``memory_gb`` GiB; if not, the cheapest change that makes them fit
+    (``_candidates``' order), as ``--set`` lines, or that none of them does."""
+    limit = memory_gb * GIB
+    now = predict(cfg, arch, device)
+    over = [r["stage"] for r in now["ranks"] if r["peak_bytes"] > limit]
+    out = {"memory_gb": memory_gb, "fits": not over, "stages_over": over}
+    if not over:
+        return out
+    for what, sets in _candidates(cfg, arch):
+        trial, sets = _with(cfg, sets, arch, device)
+        peak = predict(trial, arch, device)["largest_peak_bytes"]
+        if peak <= limit:
+            out.update({"change": what, "settings": sets, "largest_peak_bytes": peak})
+            return out
+    out["change"] = None
+    return out
