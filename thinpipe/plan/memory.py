@@ -16,11 +16,15 @@ A rank of a dist job holds one stage (``rank/from_config.py: load_stage``). Its 
 Activations are not a formula of the architecture: they are what autograd keeps, which depends on transformers'
 layer code, the attention kernel, LoRA's wrappers and the dtype. So one decoder layer of the planned architecture
 (random weights, a 1-layer middle stage built by ``build_stages`` and configured by ``configure_stage`` as a run
-configures it: packed attention, LoRA, checkpointing) runs forward on this machine's CPU at two small token
-counts under ``torch.autograd.graph.saved_tensors_hooks``, which see every tensor kept for the backward; the bytes
-of the distinct storages (parameters excluded: they are counted once above) give bytes per token per layer, a
-straight line in the tokens (the attention kernels keep O(T) per head: no T x T score matrix). With checkpointing
-a layer keeps only its input, and one layer's activations exist at once while it is recomputed.
+configures it: packed attention, LoRA) runs forward and backward on this machine's CPU at two small token counts,
+under ``torch.autograd.graph.saved_tensors_hooks`` (every tensor kept for the backward) and a dispatch mode that
+sees every block an op allocates. Each is a straight line in the tokens (the attention kernels keep O(T) per head:
+no T x T score matrix), extrapolated to the run's microbatch. On a GPU a layer holds what it saved (the caching
+allocator reuses every freed block). A CPU process's resident set holds more: glibc's malloc serves blocks under
+its mmap threshold (at most 32 MiB) from the heap and keeps them when freed, later blocks reusing only part of
+them, so a layer also holds a fraction (``HEAP_RETAINED``, fitted on another model) of the blocks its forward
+freed that are under 32 MiB at the run's size. With checkpointing a layer keeps only its input, and one layer's
+activations exist at once while it is recomputed.
 
 The runtime floor: a CPU process (torch, transformers, the tokenizer, the packed data) peaks at ~0.45 GiB doing
 nothing else (a 1-stage ``tiny-llama`` job, ``benchmarks/results/scale_memory_floor.json``: 441 MiB; the scale
@@ -44,18 +48,46 @@ FLOOR_BYTES = {"cpu": int(0.45 * GIB), "gpu": int(0.5 * GIB)}
 MEASURE_TOKENS = (64, 128)  # the two token counts one layer's saved bytes are measured at (a line through them)
 MEASURE_DOCUMENTS = 4       # packed documents per measured row: the packed path's gathers are kept too
 WEIGHT_BYTES = 4            # fp32 master weights (train.dtype bfloat16 is autocast over fp32 weights)
+HEAP_BLOCK_BYTES = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: a larger block is always mmapped
+# The fraction of those freed heap blocks a CPU process still holds at its peak (the rest were reused by later
+# blocks): fitted on small-llama (full and LoRA, 2 x 2,048 and 4 x 1,024 tokens: 0.39, 0.40), not on the presets
+# the prediction is checked against (benchmarks/memory_prediction.py)
+HEAP_RETAINED = 0.4
+
+
+@dataclass(frozen=True)
+class Line:
+    """Bytes as a straight line in a microbatch's tokens."""
+    per_token: float
+    fixed: float
+
+    def at(self, tokens: int) -> float:
+        return self.per_token * tokens + self.fixed
+
+    @classmethod
+    def through(cls, n1: int, b1: float, n2: int, b2: float) -> "Line":
+        slope = (b2 - b1) / (n2 - n1)
+        return cls(slope, max(b1 - slope * n1, 0.0))
 
 
 @dataclass(frozen=True)
 class LayerActivations:
-    """What one decoder layer keeps for its backward, per microbatch of ``tokens`` tokens: ``per_token`` x tokens +
-    ``fixed`` (bytes), and the bytes of its input (what a checkpointed layer keeps)."""
-    per_token: float
-    fixed: float
-    input_per_token: float
+    """One decoder layer's memory per microbatch, as ``Line``s in its tokens: what it ``saved`` for its backward
+    (live bytes), its ``input`` (all a checkpointed layer keeps), and each block its forward allocates but does not
+    keep (``freed``, one line per allocation, in the order the ops ran)."""
+    saved: Line
+    input: Line
+    freed: tuple[Line, ...]
 
-    def saved(self, tokens: int) -> float:
-        return self.per_token * tokens + self.fixed
+    def resident(self, tokens: int, cpu: bool) -> float:
+        """What one layer's forward leaves resident: on a GPU its saved tensors (the caching allocator reuses every
+        freed block); on the CPU also each freed block under glibc's largest mmap threshold (``HEAP_BLOCK_BYTES``):
+        malloc serves those from the heap, which keeps them after they are freed (reused by later blocks only in
+        part), while a larger block is mapped and unmapped."""
+        kept = self.saved.at(tokens)
+        if cpu:  # a fraction of them (HEAP_RETAINED): later blocks reuse the rest
+            kept += HEAP_RETAINED * sum(b for b in (line.at(tokens) for line in self.freed) if b < HEAP_BLOCK_BYTES)
+        return kept
 
 
 def in_flight(schedule: str, stages: int, microbatches: int) -> list[int]:
@@ -84,8 +116,10 @@ def lora_params_per_layer(arch, lora) -> int:
 
 @lru_cache(maxsize=32)
 def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_rank: int, lora_targets: tuple,
-             checkpointing: bool, attention: str, dtype: str) -> LayerActivations:
+             attention: str, dtype: str) -> LayerActivations:
     import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from thinpipe.config import load_config
@@ -94,8 +128,7 @@ def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_ran
     from thinpipe.rank.context import positions_and_mask
     from thinpipe.rank.from_config import configure_stage
 
-    cfg = load_config(None, [f"train.activation_checkpointing={str(checkpointing).lower()}",
-                             f"model.attention={attention}", f"train.lora.rank={lora_rank}"])
+    cfg = load_config(None, [f"model.attention={attention}", f"train.lora.rank={lora_rank}"])
     if lora_rank:
         cfg.train.lora.target_modules = list(lora_targets)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads,
@@ -109,36 +142,60 @@ def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_ran
     params = {p.untyped_storage().data_ptr() for p in stage.parameters()}
     cast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
-    def saved_bytes(tokens: int) -> tuple[int, int]:
-        storages: dict[int, int] = {}
+    class Allocations(TorchDispatchMode):
+        """Every new block an op returns (not a view or an in-place result of its inputs), in order; ``saved``
+        marks those autograd keeps (by the latest block at the address the saved tensor lives at)."""
+
+        def __init__(self):
+            super().__init__()
+            self.sizes: list[int] = []
+            self.saved: set[int] = set()
+            self.latest: dict[int, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            given = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+            for t in tree_leaves(out):
+                ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+                if ptr is not None and ptr not in given and ptr not in params:
+                    self.latest[ptr] = len(self.sizes)
+                    self.sizes.append(t.untyped_storage().nbytes())
+            return out
+
+    def measure(tokens: int) -> tuple[int, int, list[int]]:
+        saved: dict[int, int] = {}
+        blocks = Allocations()
 
         def keep(t):
-            s = t.untyped_storage()
-            if s.data_ptr() not in params:
-                storages[s.data_ptr()] = s.nbytes()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                saved[ptr] = t.untyped_storage().nbytes()
+                if ptr in blocks.latest:
+                    blocks.saved.add(blocks.latest[ptr])
             return t
 
-        seg = torch.arange(tokens) * MEASURE_DOCUMENTS // tokens
-        pos, docs = positions_and_mask(seg[None])
+        pos, docs = positions_and_mask((torch.arange(tokens) * MEASURE_DOCUMENTS // tokens)[None])
         ctx = type("Ctx", (), {"position_ids": pos, "attn_mask": docs})()
         x = torch.randn(1, tokens, hidden, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), cast:
-            out = stage(x, ctx)
-        out.float().sum().backward()
-        return sum(storages.values()), x.numel() * x.element_size()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), cast, blocks:
+            out = stage(x, ctx).float().sum()
+        out.backward()
+        freed = [b for i, b in enumerate(blocks.sizes) if i not in blocks.saved]
+        return sum(saved.values()), x.numel() * x.element_size(), freed
 
-    (a1, x1), (a2, x2) = (saved_bytes(n) for n in MEASURE_TOKENS)
-    n1, n2 = MEASURE_TOKENS
-    slope = (a2 - a1) / (n2 - n1)
-    return LayerActivations(slope, max(a1 - slope * n1, 0.0), x1 / n1)
+    (n1, a), (n2, b) = ((n, measure(n)) for n in MEASURE_TOKENS)
+    if len(a[2]) != len(b[2]):  # the ops differ between the two lengths: their sum, as one block, instead
+        a, b = (a[0], a[1], [sum(a[2])]), (b[0], b[1], [sum(b[2])])
+    return LayerActivations(Line.through(n1, a[0], n2, b[0]), Line.through(n1, a[1], n2, b[1]),
+                            tuple(Line.through(n1, x, n2, y) for x, y in zip(a[2], b[2])))
 
 
-def layer_activations(cfg: Config, arch, checkpointing: bool | None = None) -> LayerActivations:
-    """One decoder layer of ``arch``'s saved bytes as ``cfg`` trains it (measured here: the module docstring)."""
+def layer_activations(cfg: Config, arch) -> LayerActivations:
+    """One decoder layer of ``arch`` as ``cfg`` trains it (LoRA, attention, dtype), measured here (module
+    docstring)."""
     lora = cfg.train.lora
-    ckpt = cfg.train.activation_checkpointing if checkpointing is None else checkpointing
     return _measure(arch.hidden, arch.intermediate, arch.heads, arch.kv_heads, lora.rank,
-                    tuple(lora.target_modules) if lora.rank else (), ckpt, cfg.model.attention,
+                    tuple(lora.target_modules) if lora.rank else (), cfg.model.attention,
                     "bfloat16" if cfg.train.dtype == "bfloat16" else "float32")
 
 
@@ -158,8 +215,7 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
     lora_layer = lora_params_per_layer(arch, t.lora)
     tokens = t.batch_size // M * t.seq_len  # one microbatch's
     flight = in_flight(t.schedule, K, M)
-    act = layer_activations(cfg, arch, ckpt)
-    full = layer_activations(cfg, arch, False) if ckpt else act
+    act, cpu = layer_activations(cfg, arch), device == "cpu"
     dp_state = describe(cfg.dp.kind).state_bytes_per_param(cfg.dp) if m.dp > 1 else 0
     wire = 2 if (cfg.boundary.dtype if cfg.boundary.dtype != "auto" else t.dtype) == "bfloat16" else 4
     needs_logits = t.objective != "sft" or not t.loss_chunk_tokens or tokens <= t.loss_chunk_tokens
@@ -179,11 +235,10 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
         optim = (4 * decoder_trained + 8 * (trained - decoder_trained) if t.optimizer == "muon" else 8 * trained)
         weights = WEIGHT_BYTES * params + 4 * (trained if t.lora.rank else 0)  # LoRA: the adapters besides
         grads, dp = 4 * trained, dp_state * trained
-        kept = act.saved(tokens) if not ckpt else act.input_per_token * tokens + act.fixed  # a layer's, per microbatch
+        kept = act.input.at(tokens) if ckpt else act.resident(tokens, cpu)  # a layer's, per microbatch
         activations = flight[s] * n_layers * kept
-        # while one layer's backward runs: its recomputed activations (checkpointing) and its gradients, ~ one
-        # layer's activations each
-        transient = full.saved(tokens) * (2 if ckpt else 1)
+        # while one layer's backward runs: the gradients of what it saved, and with checkpointing its recomputed forward
+        transient = act.saved.at(tokens) + (act.resident(tokens, cpu) if ckpt else 0)
         boundary = flight[s] * tokens * arch.hidden * wire * ((s > 0) + (s < K - 1))  # received input, sent output
         head = 0.0
         if s == K - 1:
@@ -206,7 +261,7 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
     out = {"source": "plan/memory.py: parameters x bytes; one decoder layer's saved activations measured on this "
                      "CPU (saved-tensor hooks) x layers x microbatches in flight",
            "device": device, "tokens_per_microbatch": tokens, "activation_checkpointing": ckpt,
-           "layer_activation_bytes_per_token": act.per_token, "ranks": ranks,
+           "layer_bytes": {"saved": act.saved.at(tokens), "resident": act.resident(tokens, cpu)}, "ranks": ranks,
            "largest_peak_bytes": max(r["peak_bytes"] for r in ranks)}
     if checkpointing is None:  # the configured run, and beside it the same run with checkpointing switched
         other = "without" if ckpt else "with"
