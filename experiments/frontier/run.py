@@ -104,6 +104,9 @@ ARMS = {
     "KLTw 3-1b-1b T100 q8": klt(3, 1, 1.0, basis_dtype="int8"),
     # both ends refit the forward basis and fit the gradient's own every 20 steps (no bytes)
     "KLTw 3-1b-1b T75 R20": klt(3, 1, 0.75, refresh_every=20),
+    # issue 52's diagnosis: T70 q8 with its forward replaced by zero-mean noise of the codec's own error power per
+    # KLT direction and token class, fresh each step (dense on the wire: a question, not a codec)
+    "KLTw 3-1b-1b T70 q8 noise-equivalent": klt(3, 1, 0.7, basis_dtype="int8", noise_equivalent=True),
 }
 
 

@@ -51,6 +51,10 @@ once per copy (the simulation's one object holding both ends skips the second), 
 saved with the checkpoint. Decoded data underestimates the variance of coarsely coded components
 (by 1 - D(b)), a bias the refit keeps.
 
+The noise-equivalent diagnosis (``klt_noise_equivalent``, issue 52; experiments/frontier/README.md): the forward
+sends x + n, n zero-mean Gaussian with the codec's own error power per KLT direction and token class, fresh every
+microbatch: the codec's error without its bias (its Lloyd-Max shrinkage, the directions it deletes), dense fp32.
+
 Bytes per microbatch of N tokens, L of them loss tokens (forward), with n_k(table) the components of
 width k and w(table) its widths: 2 C N + 2 w(loss) L + sum_k ceil(L n_k(loss) k / 8) + 2 w(ctx) (N - L)
 + sum_k ceil((N - L) n_k(ctx) k / 8); backward as ``outlier``'s, or after the gradient's basis is
@@ -103,11 +107,12 @@ class KltBoundary(OutlierBoundary):
         own = cfg.settings()
         return cls(index, hidden_size, own.bits, own.context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
                    channels=own.channels, bwd_tokens=own.bwd_tokens, refresh_every=own.refresh_every,
-                   scale=own.scale, basis_dtype=own.basis_dtype)
+                   scale=own.scale, basis_dtype=own.basis_dtype, noise_equivalent=own.noise_equivalent, seed=seed)
 
     def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
                  group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 1.0,
-                 refresh_every: int = 0, scale: str = "width", basis_dtype: str = "bfloat16"):
+                 refresh_every: int = 0, scale: str = "width", basis_dtype: str = "bfloat16",
+                 noise_equivalent: bool = False, seed: int = 0):
         super().__init__(index, hidden_size, channels, 1, bwd_bits, group, wire_dtype, intact_dtype=BASIS_DTYPE,
                          grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
         if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
@@ -126,6 +131,9 @@ class KltBoundary(OutlierBoundary):
         # a refresh changes the codes from the decoded data of the steps before it: RL's two forwards of one
         # sequence must code it alike, so a refreshing boundary is refused with GSPO (objective/gspo.py)
         self.forward_state = refresh_every > 0
+        # the diagnosis (``boundary.klt.noise_equivalent``): fresh noise per microbatch makes RL's two forwards differ
+        self.noise_equivalent, self.seed = noise_equivalent, seed
+        self.forward_state |= noise_equivalent
         d = hidden_size
         # Until the residual start fits them: the identity basis, unit variances, an even allocation
         # (a start, never a result: a run always fits the basis before its first step).
@@ -255,9 +263,39 @@ class KltBoundary(OutlierBoundary):
         z = ((flat - self.mean.float()) @ self.basis.float()) / self.std.float()
         for c, rows in self._classes(ctx).items():
             out[f"{c}_scale"], out[f"{c}_codes"] = code(z[rows], getattr(self, f"bits_{c}"), self.per_width)
+        if self.noise_equivalent:
+            return x, Payload({"x": self._noise_equivalent(x.detach().float().reshape(-1, self.hidden_size),
+                                                           self._decode(out, ctx), ctx)})
         if self.refresh_every and (ctx.microbatch, "fwd") not in self._seen:  # the sender's copy of x_hat
             self._observe_forward(self._decode(out, ctx), ctx)
         return x, Payload(out)
+
+    def _noise_equivalent(self, x: torch.Tensor, x_hat: torch.Tensor, ctx) -> torch.Tensor:
+        """x plus zero-mean Gaussian noise with the codec's error power (x - x_hat) per token class: in each
+        direction of the basis U_m its mean square, and in the rest of the coded space (the directions the basis
+        drops) its mean energy spread evenly; the intact channels exact. The noise is drawn fresh for every
+        (step, microbatch, replica) from a generator of its own, independent of x: unbiased, unlike the codes."""
+        err = x - x_hat
+        err[:, self.channels] = 0.0
+        U = self.basis.float()
+        gen = torch.Generator().manual_seed(hash((self.seed, self.index, ctx.step, ctx.microbatch, ctx.replica))
+                                            & (2 ** 62 - 1))
+        rest = self.hidden_size - U.shape[1] - self.channels.numel()  # dimensions outside the basis, coded space
+        noisy = x.clone()
+        for rows in self._classes(ctx).values():
+            if not rows.numel():
+                continue
+            e_u = err[rows] @ U
+            power = e_u.pow(2).mean(0)                                  # per direction of U_m
+            noise = (torch.randn(e_u.shape, generator=gen).to(U.device) * power.sqrt()) @ U.T
+            if rest > 0:
+                r = err[rows] - e_u @ U.T
+                g = torch.randn(noise.shape, generator=gen).to(U.device)
+                g[:, self.channels] = 0.0
+                g = g - (g @ U) @ U.T
+                noise += g * (r.pow(2).sum(1).mean() / rest).sqrt()
+            noisy[rows] += noise
+        return noisy
 
     def _observe_forward(self, x_hat: torch.Tensor, ctx) -> None:
         """The loss tokens' decoded activations (the best-coded ones), intact channels out as at the start."""
@@ -268,6 +306,8 @@ class KltBoundary(OutlierBoundary):
     def decode(self, payload, ctx):
         self._at_step(ctx.step)
         self._check(payload.tensors, ctx)
+        if self.noise_equivalent:
+            return payload.tensors["x"].reshape(*ctx.input_ids.shape, self.hidden_size)
         x = self._decode(payload.tensors, ctx)
         if self.refresh_every and (ctx.microbatch, "fwd") not in self._seen:
             self._observe_forward(x, ctx)
@@ -363,13 +403,20 @@ class KltBoundary(OutlierBoundary):
         if direction == "bwd":
             return Expect.exactly(self._bwd_spec(tokens)) if self._grad_klt() else \
                 super().payload_expect(direction, tokens)
+        if self.noise_equivalent:
+            return Expect.exactly(self._noisy_spec(tokens))
         if ctx is not None:
             counts = {c: int(r.numel()) for c, r in self._classes(ctx).items()}
             return Expect.exactly(self._fwd_spec(counts))
         bound = max(self._fwd_bytes(tokens, 0), self._fwd_bytes(0, tokens))
         return Expect(max_bytes=bound, dtypes=frozenset({SCALE_DTYPE, torch.uint8}))
 
+    def _noisy_spec(self, tokens: int) -> dict:
+        return {"x": ((tokens, self.hidden_size), torch.float32)}
+
     def _fwd_bytes(self, loss: int, context: int) -> int:
+        if self.noise_equivalent:  # the diagnosis sends the noisy activations whole
+            return spec_bytes(self._noisy_spec(loss + context))
         return spec_bytes(self._fwd_spec({"loss": loss, "context": context}))
 
     def _bwd_bytes(self, tokens: int, element_size: int) -> int:
@@ -390,6 +437,8 @@ class KltBoundary(OutlierBoundary):
         scale per token, and the C intact channels; the backward as coded. What it leaves out ``thinpipe probe``
         measures: a batch's prompt tokens cost ``context_bits`` instead, a table of several widths has a scale
         per width (``klt.scale = width``: up to 7 more per token), and the start's basis crosses once per run."""
+        if self.noise_equivalent:
+            return self._fwd_bytes(tokens, 0), self.expected_bytes(tokens, element_size)[1]
         per_token = self.channels.numel() * dtype_bytes(BASIS_DTYPE) + dtype_bytes(SCALE_DTYPE) + self.loss_bits * \
             self.hidden_size / 8
         return tokens * per_token, self.expected_bytes(tokens, element_size)[1]

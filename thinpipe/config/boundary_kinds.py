@@ -188,6 +188,11 @@ class KltKind(BoundaryKind):
     backward from Hadamard tiles to it; no bytes cross (both ends hold that data). 0 = never: the start's basis
     all run, the Hadamard backward. A refreshing boundary is refused with GSPO (its two forwards of a sequence
     must code it alike)."""
+    noise_equivalent: bool = False
+    """A diagnosis, not a codec (issue 52): the forward sends the activations plus zero-mean Gaussian noise, fresh
+    every microbatch, with the codec's own error power in each KLT direction and token class (and in the directions
+    the basis drops), dense fp32 on the wire. It asks whether the codec's forward error costs training for its bias
+    (shrinkage, deleted directions) or for its power alone. Not with GSPO (its two forwards would differ)."""
 
     def validate(self, boundary) -> None:
         if not 0 < self.bits <= 8 or not 0 < self.context_bits <= 8 or not 0 < self.bwd_tokens <= 1:

@@ -258,8 +258,8 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
             peak = max(peak, end)
         row["peak_bytes"] = int(peak)
         ranks.append(row)
-    out = {"source": "plan/memory.py: parameters x bytes; one decoder layer's saved activations measured on this "
-                     "CPU (saved-tensor hooks) x layers x microbatches in flight",
+    out = {"source": "plan/memory.py: parameters x bytes; one decoder layer's activations measured on this CPU "
+                     "(saved tensors and allocated blocks) x layers x microbatches in flight",
            "device": device, "tokens_per_microbatch": tokens, "activation_checkpointing": ckpt,
            "layer_bytes": {"saved": act.saved.at(tokens), "resident": act.resident(tokens, cpu)}, "ranks": ranks,
            "largest_peak_bytes": max(r["peak_bytes"] for r in ranks)}

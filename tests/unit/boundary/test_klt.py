@@ -254,3 +254,31 @@ def test_an_int8_basis_halves_the_start_and_codes_as_well():
     m = b.basis.shape[1]
     assert out["bfloat16"][0] - out["int8"][0] == H * m - 2 * m  # d x m bytes fewer, one bf16 step per column
     assert out["int8"][1] < 1.05 * out["bfloat16"][1]
+
+
+def test_the_noise_equivalent_diagnosis_has_the_codecs_error_power_without_its_bias():
+    """``klt_noise_equivalent`` (issue 52): the decoded activations differ from x by noise whose power in each KLT
+    direction and token class is the codec's own (within sampling error), but which is zero-mean and independent of
+    x, where the codes' error is not (Lloyd-Max shrinks: the error correlates with x); fresh each step; the wire
+    carries it whole and the receiver expects exactly that."""
+    x = correlated(64 * 64).reshape(64, 64, H)
+    labels = torch.zeros(64, 64, dtype=torch.long)
+    labels[:, :20] = -100  # a prompt: context tokens at their own (fewer) bits
+    ctx = ctx_of(labels)
+    codec, diag = fitted(3.0, 1.0), fitted(3.0, 1.0, noise_equivalent=True)
+    codes_err = (codec.decode(codec.encode(x, ctx)[1], ctx) - x).reshape(-1, H)
+    _, payload = diag.encode(x, ctx)
+    assert set(payload.tensors) == {"x"} and payload.nbytes == diag.expected_bytes(64 * 64, 4)[0] == 64 * 64 * H * 4
+    diag.payload_expect("fwd", 64 * 64, ctx).check(spec_of(payload), "test")
+    noise_err = (diag.decode(payload, ctx) - x).reshape(-1, H)
+    U, centred = codec.basis.float(), (x.reshape(-1, H) - x.reshape(-1, H).mean(0))
+    for rows in codec._classes(ctx).values():
+        want, got = (codes_err[rows] @ U).pow(2).mean(0), (noise_err[rows] @ U).pow(2).mean(0)
+        assert torch.allclose(got, want, rtol=0.25, atol=1e-4)  # 1,300-2,800 tokens a class
+        # the codes' error leans against x (shrinkage); the noise's does not
+        lean = lambda e: float((e[rows] * centred[rows]).sum() / e[rows].pow(2).sum())  # noqa: E731
+        assert lean(codes_err) < -0.1 and abs(lean(noise_err)) < 0.05
+    assert noise_err.mean(0).abs().max() < 0.05 * noise_err.std()
+    later = make_contexts({"input_ids": torch.zeros_like(labels), "labels": labels,
+                           "segment_ids": torch.zeros_like(labels)}, 1, 1, 0)[0]  # step 1: fresh noise
+    assert not torch.equal(diag.decode(diag.encode(x, later)[1], later), diag.decode(payload, ctx))
