@@ -4,8 +4,13 @@ Runs: this suite's (experiments/frontier/results, one folder per arm x seed x st
 committed runs of the same recipe in experiments/anchor_priors and experiments/mapl (older code,
 seed 0). Writes results/frontier.json (one row per (arm, seed, steps): ``arm``, ``kind``, ``seed``,
 ``steps``, ``pp_bytes_per_token`` (fp32 wire, metered), ``pp_bytes_per_token_bf16``,
-``best_val_loss``, ``final_val_loss``, ``split``, ``gap`` ...), results/frontier.md and
+``best_val_loss``, ``final_val_loss``, ``split``, ``gap``, ``learning_ratio`` ...), results/frontier.md and
 results/frontier.png.
+
+Learning ratio (issue 52; ``thinpipe/analysis/learning.py``): the first step, linearly interpolated between held-out
+evaluations, at which Dense of the same seed and length reaches the arm's final held-out loss, over the arm's
+steps; null where Dense never gets there (the arm ends at or below Dense). A setting's is the mean over its seeds
+(null if any seed's is).
 
 Accounting: ``pp_bytes_per_token`` is what the meter counted on the fp32 wire these CPU runs used;
 ``pp_bytes_per_token_bf16`` is the same setting's payload on a bf16 wire (what a GPU run with
@@ -31,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from thinpipe.analysis import learning_ratio
 from thinpipe.boundary import build_boundaries
 from thinpipe.config import Config, apply_overrides
 from thinpipe.config.aliases import flat_aliases
@@ -145,6 +151,8 @@ def pair(rows: list[dict]) -> None:
         # the gap at every held-out point both runs have (does it shrink with training?)
         dense_at = dict((int(st), v) for st, v in d["val_points"]) if d else {}
         r["val_gaps"] = [[int(st), v / dense_at[int(st)] - 1] for st, v in r["val_points"] if int(st) in dense_at]
+        # issue 52: the step Dense of this seed and length reaches the arm's final loss, over the arm's steps
+        r["learning_ratio"] = learning_ratio(d["val_points"], r["final_val_loss"], r["steps"]) if d else None
 
 
 def settings(rows: list[dict]) -> list[dict]:
@@ -160,11 +168,14 @@ def settings(rows: list[dict]) -> list[dict]:
                                                      "pp_bytes_per_token_bf16": 0.0})
         e["gaps"][r["seed"]] = r["gap"]
         e["losses"][r["seed"]] = r["final_val_loss"]
+        e.setdefault("learning_ratios", {})[r["seed"]] = r["learning_ratio"]
         e["pp_bytes_per_token"] = max(e["pp_bytes_per_token"], r["pp_bytes_per_token"])
         e["pp_bytes_per_token_bf16"] = max(e["pp_bytes_per_token_bf16"], r["pp_bytes_per_token_bf16"])
     for e in out.values():
         gaps = list(e["gaps"].values())
         e["mean_gap"] = statistics.fmean(gaps)
+        ratios = [x for x in e["learning_ratios"].values() if x is not None]  # None: at or below Dense
+        e["learning_ratio"] = statistics.fmean(ratios) if ratios and len(ratios) == len(gaps) else None
         e["seeds"] = sorted(e["gaps"])
         e["three_seeds"] = all(s in e["gaps"] for s in SEEDS)
         e["within"] = e["three_seeds"] and e["mean_gap"] <= WITHIN and max(gaps) <= WORST_SEED
@@ -184,15 +195,16 @@ def seed_cell(e: dict, s: int) -> str:
 
 def table(entries: list[dict]) -> list[str]:
     lines = ["| arm | kind | steps | PP B/token, bf16 wire | x vs bf16 Dense | PP B/token, fp32 wire | x vs fp32 Dense "
-             "| seed 0 | seed 1 | seed 2 | mean gap | within 1% (3 seeds) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| seed 0 | seed 1 | seed 2 | mean gap | learning ratio | within 1% (3 seeds) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in entries:
         verdict = ("-" if e["kind"] == "identity" else ("**yes**" if e["within"] else "no") if e["three_seeds"]
                    else f"({len(e['seeds'])} seed{'s' if len(e['seeds']) > 1 else ''})")
         lines.append(f"| {e['arm']} | {e['kind']} | {e['steps']} | {e['pp_bytes_per_token_bf16']:,.0f} | "
                      f"{e['x_bf16']:.1f}x | {e['pp_bytes_per_token']:,.0f} | {e['x_fp32']:.1f}x | "
                      + " | ".join(seed_cell(e, s) for s in SEEDS)
-                     + f" | {'-' if e['kind'] == 'identity' else format(e['mean_gap'], '+.2%')} | {verdict} |")
+                     + f" | {'-' if e['kind'] == 'identity' else format(e['mean_gap'], '+.2%')} | "
+                     f"{'-' if e['learning_ratio'] is None else format(e['learning_ratio'], '.2f')} | {verdict} |")
     return lines
 
 

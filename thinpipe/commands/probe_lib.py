@@ -9,6 +9,10 @@ compressed boundaries and measures:
 - the backward's alignment: cosine of the gradient the compressed circuit computes with the clean
   gradient at the same weights, over every parameter, and per stage (stage 0's gradient crosses
   every boundary);
+- the forward's own cost to the gradient (``cos_fwd``, issue 52): the cosine with the clean gradient when only the
+  forward is compressed and every activation gradient crosses back exact (``exact_backward``); across the
+  frontier's arms it tracked the trained gap (gap ~ 0.57 + 13.9 x (1 - cos_fwd) percent) where the loss damage
+  did not. Kinds that are part of the model (MAPL, SSN) have no separate backward to make exact: None;
 - the exact bytes per token each way, as the mesh's meter counts them (``pp_fwd``, ``pp_bwd``).
 
 Learned kinds are probed at their start: MAPL with its PCA start (``boundary.init = pca``, what one
@@ -25,11 +29,14 @@ import gc
 import json
 import math
 import sys
+import types
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from thinpipe.boundary.base import Boundary
+from thinpipe.comm.header import Expect
 from thinpipe.config import Config, ConfigError, apply_overrides
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.objective.registry import build_data
@@ -109,8 +116,19 @@ def cosine(a: list[dict[str, torch.Tensor]], b: list[dict[str, torch.Tensor]]) -
     return (dots / math.sqrt(na * nb) if na > 0 and nb > 0 else float("nan")), per_stage
 
 
+def exact_backward(boundary) -> None:
+    """``boundary`` with its backward made exact: the activation gradient crosses whole (``Boundary``'s own
+    ``encode_grad`` / ``decode_grad``), its forward untouched; the probe's ``cos_fwd`` pass."""
+    size = boundary.hidden_size * 4
+    boundary.encode_grad = types.MethodType(Boundary.encode_grad, boundary)
+    boundary.decode_grad = types.MethodType(Boundary.decode_grad, boundary)
+    kind_expect = boundary.payload_expect
+    boundary.payload_expect = lambda direction, tokens, ctx=None: (
+        Expect(max_bytes=tokens * size) if direction == "bwd" else kind_expect(direction, tokens, ctx))
+
+
 def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_bar=None,
-                dense_grads: list | None = None) -> dict:
+                dense_grads: list | None = None, exact_bwd: bool = False) -> dict:
     """One arm on ``batches``: mean loss, metered bytes per token each way, and per batch the
     gradient's cosine with ``dense_grads`` (the dense arm's per-batch gradients, ``_grads``).
 
@@ -118,8 +136,12 @@ def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_
     (``grads``) and their cosines with themselves. With them, each batch's gradient is compared as
     soon as the backward leaves it and then dropped, so an arm holds one gradient at a time
     (docs/probe.md, Memory). The mesh (a copy of the model, ``build_stages``) is this function's
-    alone: it is freed when the function returns."""
+    alone: it is freed when the function returns. ``exact_bwd``: the boundaries' backward made exact
+    (``exact_backward``)."""
     mesh = SimMesh(model, cfg, device)
+    if exact_bwd:
+        for b in mesh.boundaries:
+            exact_backward(b)
     if any(b.wants_residual_init for b in mesh.boundaries):
         mesh.residual_start(residual_batches(cfg, train_ds))
     for st in mesh.replicas[0]:
@@ -145,10 +167,17 @@ def measure_arm(model, cfg: Config, device, batches: list[dict], train_ds, step_
             "bwd_bytes_per_token": (after["pp_bwd"] - before["pp_bwd"]) / tokens, "tokens": tokens}
 
 
+def _spec(base: Config, settings: dict):
+    c = copy.deepcopy(base)
+    apply_overrides(c, settings, source="probe")
+    return c.boundary.spec()
+
+
 def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, boundaries: list[int] | None = None,
-          progress: bool = True, loaded=None) -> dict:
+          progress: bool = True, loaded=None, forward_cosine: bool = True) -> dict:
     """The probe of every arm of ``grid`` on ``num_batches`` held-out batches (module docstring), on the configured
-    model or on ``loaded`` (a run's trained model, ``probe --run``)."""
+    model or on ``loaded`` (a run's trained model, ``probe --run``); ``forward_cosine``: each codec's ``cos_fwd``
+    too (a second pass per arm; None without it)."""
     if num_batches < 1:
         raise ConfigError(f"--batches must be >= 1, got {num_batches}")
     if cfg.mesh.pp < 2:
@@ -168,7 +197,8 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
     train_ds, val_ds = build_data(base, loaded.tokenizer)
     batches = [b for _, b in zip(range(num_batches), val_batches(val_ds, base.train.batch_size))]
     arms = [("dense", {"boundary.kind": "identity"})] + [(a, s) for a, s in grid if s["boundary.kind"] != "identity"]
-    bar = tqdm(total=len(arms) * len(batches), desc="probe", disable=not progress, file=sys.stderr, dynamic_ncols=True)
+    passes = len(arms) + forward_cosine * sum(1 for _, st in arms[1:] if not _spec(base, st).architectural)
+    bar = tqdm(total=passes * len(batches), desc="probe", disable=not progress, file=sys.stderr, dynamic_ncols=True)
     rows, dense = [], None
     for arm, settings in arms:
         c = copy.deepcopy(base)
@@ -177,8 +207,13 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
         bar.set_postfix_str(arm)
         m = measure_arm(loaded.model, c, device, batches, train_ds, bar, None if dense is None else dense["grads"])
         gc.collect()  # should a kind ever hold its mesh (a model copy) in a cycle: free it before the next
+        cos_fwd = None
         if dense is None:
             dense = m
+        elif forward_cosine and not c.boundary.spec().architectural:  # a wire codec: forward and backward apart
+            f = measure_arm(loaded.model, c, device, batches, train_ds, bar, dense["grads"], exact_bwd=True)
+            cos_fwd = sum(c_ for c_, _ in f["cosines"]) / len(f["cosines"])
+            gc.collect()
         per_batch = m["cosines"]
         stages = len(per_batch[0][1])
         pp = m["fwd_bytes_per_token"] + m["bwd_bytes_per_token"]
@@ -188,6 +223,7 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
                      "damage_rel": m["loss"] / dense["loss"] - 1.0,
                      "grad_cosine": sum(c_ for c_, _ in per_batch) / len(per_batch),
                      "grad_cosine_by_stage": [sum(s[i] for _, s in per_batch) / len(per_batch) for i in range(stages)],
+                     "cos_fwd": 1.0 if m is dense else cos_fwd,
                      "fwd_bytes_per_token": m["fwd_bytes_per_token"], "bwd_bytes_per_token": m["bwd_bytes_per_token"],
                      "pp_bytes_per_token": pp, "pp_fraction": pp / dense_pp, "compression_x": dense_pp / pp})
     bar.close()
@@ -200,11 +236,14 @@ def probe(cfg: Config, grid: list[tuple[str, dict]], num_batches: int = 4, bound
 def format_table(result: dict) -> str:
     lines = [f"{result['model']}, {result['pp']} stages, {result['batches']} held-out batches of {result['data']} "
              f"({result['tokens']} tokens), no training; dense loss {result['dense_loss']:.4f}",
-             f"{'arm':<18}{'loss':>8}{'damage':>9}{'grad cos':>9}{'stage 0':>9}{'fwd B/tok':>11}{'bwd B/tok':>11}"
+             f"{'arm':<18}{'loss':>8}{'damage':>9}{'grad cos':>9}{'stage 0':>9}{'cos fwd':>9}{'fwd B/tok':>11}"
+             f"{'bwd B/tok':>11}"
              f"{'x dense':>9}"]
     for r in result["arms"]:
         lines.append(f"{r['arm']:<18}{r['loss']:>8.4f}{r['damage_rel']:>+9.1%}{r['grad_cosine']:>9.3f}"
-                     f"{r['grad_cosine_by_stage'][0]:>9.3f}{r['fwd_bytes_per_token']:>11.1f}"
+                     f"{r['grad_cosine_by_stage'][0]:>9.3f}"
+                     f"{'-' if r['cos_fwd'] is None else format(r['cos_fwd'], '.3f'):>9}"
+                     f"{r['fwd_bytes_per_token']:>11.1f}"
                      f"{r['bwd_bytes_per_token']:>11.1f}{r['compression_x']:>8.1f}x")
     return "\n".join(lines)
 

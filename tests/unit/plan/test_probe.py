@@ -26,7 +26,21 @@ TINY = ["model.name=tiny-llama", "data.name=synthetic", "mesh.pp=3", "train.seq_
 def probed():
     cfg = load_config(None, TINY)
     grid = [a for a in GRID if a[0] in ("dense", "mask p=0.9", "topk p=0.9", "quant4", "quant 2b/8b", "mapl r=32 pca")]
-    return cfg, probe(cfg, grid, num_batches=2, progress=False)
+    return cfg, probe(cfg, grid, num_batches=2, progress=False, forward_cosine=False)
+
+
+def test_cos_fwd_is_the_gradients_cosine_with_only_the_forward_compressed():
+    """``cos_fwd`` (issue 52): the backward made exact. An arm whose backward is already exact has it equal to its
+    gradient cosine; a codec's is the forward's share of its damage; a kind that is part of the model has none."""
+    grid = [a for a in GRID if a[0] in ("dense", "quant 2b/8b", "mapl r=32 pca")]
+    grid.append(("outlier 2b fwd only", {"boundary.kind": "outlier", "boundary.compress": "fwd"}))
+    r = probe(load_config(None, TINY), grid, num_batches=1, progress=False)
+    arms = {a["arm"]: a for a in r["arms"]}
+    assert arms["dense"]["cos_fwd"] == 1.0 and arms["mapl r=32 pca"]["cos_fwd"] is None
+    one_way = arms["outlier 2b fwd only"]
+    assert one_way["cos_fwd"] == pytest.approx(one_way["grad_cosine"], abs=1e-12) and one_way["cos_fwd"] < 0.999
+    q = arms["quant 2b/8b"]  # a 2-bit forward, an 8-bit backward: nearly all of its damage is the forward's
+    assert q["grad_cosine"] < q["cos_fwd"] < 1.0 and q["cos_fwd"] == pytest.approx(q["grad_cosine"], abs=0.05)
 
 
 def test_the_dense_arm_is_the_dense_model_and_bytes_are_the_formula(probed):
@@ -118,7 +132,7 @@ def test_each_arms_mesh_is_freed_before_the_next_is_built(monkeypatch):
     cfg = load_config(None, TINY)
     grid = [a for a in GRID if a[0] in ("dense", "mask p=0.9", "quant4", "mapl r=32 pca")]
     probe(cfg, grid, num_batches=1, progress=False)
-    assert len(made) == 4
+    assert len(made) == 6  # 4 arms and the cos_fwd passes of mask and quant4, each freed before the next
 
 
 def test_select_grid_keeps_dense():
