@@ -48,7 +48,15 @@ FAMILY_KEYS: dict[str, dict] = {
 }
 
 
+# a family with an optional feature off, tested beside the family as a case of its own (issue 53: a gemma2 config
+# without attention soft-capping crashed: its transformers class has no SDPA path)
+VARIANTS = {"gemma2 without soft-caps": ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None))}
+
+
 def family_config(model_type: str, **extra):
+    if model_type in VARIANTS:
+        model_type, more = VARIANTS[model_type]
+        extra = {**more, **extra}
     keys = {**COMMON, **FAMILY_KEYS.get(model_type, {}), **extra}
     return AutoConfig.for_model(model_type, **keys)
 

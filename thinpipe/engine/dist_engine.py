@@ -280,14 +280,16 @@ class DistEngine:
                 say(architectural_line(self.cfg))
             return {"model": None, "model_bytes": 0}
         writer, pp = self.cfg.train.model_rank, self.layout.pp
-        share = model_share(self.stage, self.rk.dp_scheme) if self.role.replica == 0 else None
+        if self.role.replica == 0 or self.rank == writer:
+            for p in self.stage.parameters():  # the last step's gradients: nothing reads them now, the model needs room
+                p.grad = None
+        # a sender's share is its stage's own tensors (``flat`` copies them once); the writer's its own copy
+        share = model_share(self.stage, self.rk.dp_scheme, copy=self.rank == writer) if self.role.replica == 0 else None
         received = 0
         if share is not None and self.rank != writer:
             self.eval_transport.send(ModelShare(self.role.stage, writer), flat(share), None)
             self.eval_transport.flush()
         if self.rank == writer:
-            for p in self.stage.parameters():  # the last step's gradients: nothing reads them now, the model needs room
-                p.grad = None
             loaded, stages = skeleton(self.cfg)
             shares = [share if share is not None and self.layout.grid[0][s] == self.rank else
                       unflat(self.eval_transport.recv(ModelShare(s, writer), flat_expect(stages[s])), stages[s])

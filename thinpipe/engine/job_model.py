@@ -36,12 +36,14 @@ from thinpipe.rank.from_config import load_empty
 MODEL_DIR = "model"
 
 
-def model_share(stage: Stage, scheme) -> dict[str, torch.Tensor]:
+def model_share(stage: Stage, scheme, copy: bool = True) -> dict[str, torch.Tensor]:
     """Stage ``stage``'s part of the job's model: its weights under their Hugging Face names, the DP scheme's
-    synchronised weights (``DPScheme.synchronised``: the ones every replica holds alike) in place of its own."""
-    share = {k: v.detach().to("cpu", copy=True) for k, v in stage.hf_state_dict().items()}
+    synchronised weights (``DPScheme.synchronised``: the ones every replica holds alike) in place of its own, on the
+    CPU. ``copy``: tensors of their own (the writer's share, which the model's LoRA merge changes in place); without
+    it a sender's share may be the stage's own tensors, which ``flat`` copies once for the wire."""
+    share = {k: v.detach().to("cpu", copy=copy) for k, v in stage.hf_state_dict().items()}
     for name, w in (scheme.synchronised() or {}).items():
-        share[hf_name(name)] = w.detach().to("cpu", copy=True)
+        share[hf_name(name)] = w.detach().to("cpu", copy=copy)
     return share
 
 

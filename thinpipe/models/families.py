@@ -17,7 +17,8 @@ does *around* the layers is not, and a stage must redo it or compute another fun
   ``cap * tanh(logits / cap)``), ``logits_scaling`` (Granite: ``logits / s``), ``logit_scale``
   (Cohere: ``logits * s``);
 - **the attention implementation**: Gemma 2's ``attn_logit_softcapping`` is applied by eager attention
-  only (SDPA has no hook for it), so such a model runs eager, with an additive float mask.
+  only (SDPA has no hook for it), so such a model runs eager, with an additive float mask; without the soft-cap
+  its stages pack as every other family's, though transformers builds Gemma 2 eager (its class has no SDPA path).
 
 The registry is keyed on ``config.model_type``, never on which attributes happen to exist; each entry
 is a few fields. A ``model_type`` not listed is refused in one line before any weights load
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from thinpipe.config import ConfigError
 
@@ -65,11 +67,19 @@ class Family:
     """An option of this family the seam cannot honour: the reason, or None."""
 
     # ------------------------------------------------------------------ what a stage asks
+    def packs(self, config) -> bool:
+        """Whether a stage may run thinpipe's packed-document attention (``models/packed_attention.py``, SDPA
+        underneath): False where an option only eager attention honours is set (Gemma 2's attention soft-cap)."""
+        return not (self.eager_attention_if and getattr(config, self.eager_attention_if, None) is not None)
+
     def attn_implementation(self, config) -> str:
-        """``eager`` where the family's attention needs it, else ``sdpa`` (thinpipe's default)."""
-        if self.eager_attention_if and getattr(config, self.eager_attention_if, None) is not None:
+        """What the model is built with: ``sdpa`` where the family packs and its transformers class has an SDPA path,
+        else ``eager`` (transformers refuses ``sdpa`` for a class without one: Gemma 2's, even with its soft-cap
+        off; its stages still pack, ``packs``)."""
+        if not self.packs(config):
             return "eager"
-        return "sdpa"
+        cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
+        return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
     def layer_types(self, config) -> list[str]:
         """Each decoder layer's attention kind, "full_attention" or "sliding_attention"."""

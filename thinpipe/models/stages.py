@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from thinpipe.config import ConfigError
 from thinpipe.console import say
 from thinpipe.models.families import Family, additive_mask, family_of, sliding_window_mask
+from thinpipe.models.heap import release_freed_heap
 from thinpipe.models.packed_attention import ATTENTION, Documents, register
 
 
@@ -102,11 +103,13 @@ class Stage(nn.Module):
     How it computes, set from the run's config (``rank/from_config.py: configure_stage``): ``packed_attention``
     (``model.attention``: packed documents without a T x T mask, or the dense mask), ``checkpoint_layers``
     (``train.activation_checkpointing``: each decoder layer's activations recomputed in the backward) and
-    ``loss_chunk_tokens`` (``train.loss_chunk_tokens``: the head and loss over at most that many tokens at once)."""
+    ``loss_chunk_tokens`` (``train.loss_chunk_tokens``: the head and loss over at most that many tokens at once) and
+    ``trim_heap`` (``train.cpu_heap_trim``: on the CPU, the heap's free pages returned after each layer's forward)."""
 
     packed_attention = True
     checkpoint_layers = False
     loss_chunk_tokens = 0
+    trim_heap = False
 
     def __init__(self, index: int, num_stages: int, first_layer: int, layers: list[nn.Module], rotary: nn.Module,
                  embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
@@ -183,6 +186,8 @@ class Stage(nn.Module):
             else:
                 h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids,
                           position_embeddings=pos[kind], **kv)
+            if self.trim_heap and h.device.type == "cpu":  # the layer's freed temporaries: back to the system
+                release_freed_heap()
         return h
 
     def position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> dict:
@@ -246,8 +251,7 @@ def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> 
     # layers read it from their config at every call
     # (thinpipe's packed-document attention where it would be SDPA: it hands every other mask to SDPA unchanged)
     register()
-    attn = family.attn_implementation(model.config)
-    model.config._attn_implementation = ATTENTION if attn == "sdpa" else attn
+    model.config._attn_implementation = ATTENTION if family.packs(model.config) else "eager"
     inner = model.model
     layers = list(inner.layers)
     split = list(split) if split else balanced_split(len(layers), num_stages)

@@ -9,9 +9,10 @@ A rank of a dist job holds one stage (``rank/from_config.py: load_stage``). Its 
   microbatches the schedule holds in flight at once (``rank/schedule.py``: 1F1B holds min(K - s, M) on stage s,
   GPipe all M), each microbatch's received boundary input, the last stage's head and loss, and the backward's
   transient gradients;
-- **the job's end** on the writer rank (``train.model_rank``, ``engine/job_model.py``): the whole model's fp32
-  weights gathered there (the shares assigned into one model) beside the rank's weights and optimizer state (its
-  gradients released first) and the largest share received in flight.
+- **the job's end** (``engine/job_model.py``), gradients released: the writer rank (``train.model_rank``) holds the
+  whole model's fp32 weights gathered there (the shares assigned into one model) beside its weights and optimizer
+  state, and the largest share received in flight; every other stage of replica 0 its share's one copy for the
+  wire. This is host memory: on a GPU it is reported apart (``end_host_bytes``), not in the device's peak.
 
 Activations are not a formula of the architecture: they are what autograd keeps, which depends on transformers'
 layer code, the attention kernel, LoRA's wrappers and the dtype. So one decoder layer of the planned architecture
@@ -79,13 +80,14 @@ class LayerActivations:
     input: Line
     freed: tuple[Line, ...]
 
-    def resident(self, tokens: int, cpu: bool) -> float:
+    def resident(self, tokens: int, cpu: bool, trimmed: bool = True) -> float:
         """What one layer's forward leaves resident: on a GPU its saved tensors (the caching allocator reuses every
-        freed block); on the CPU also each freed block under glibc's largest mmap threshold (``HEAP_BLOCK_BYTES``):
-        malloc serves those from the heap, which keeps them after they are freed (reused by later blocks only in
-        part), while a larger block is mapped and unmapped."""
+        freed block), and on the CPU too when the heap is trimmed after each layer (``train.cpu_heap_trim``,
+        ``models/heap.py``); without the trim also part of each freed block under glibc's largest mmap threshold
+        (``HEAP_BLOCK_BYTES``): malloc serves those from the heap, which keeps them after they are freed (reused by
+        later blocks only in part), while a larger block is mapped and unmapped."""
         kept = self.saved.at(tokens)
-        if cpu:  # a fraction of them (HEAP_RETAINED): later blocks reuse the rest
+        if cpu and not trimmed:  # a fraction of them (HEAP_RETAINED): later blocks reuse the rest
             kept += HEAP_RETAINED * sum(b for b in (line.at(tokens) for line in self.freed) if b < HEAP_BLOCK_BYTES)
         return kept
 
@@ -215,7 +217,7 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
     lora_layer = lora_params_per_layer(arch, t.lora)
     tokens = t.batch_size // M * t.seq_len  # one microbatch's
     flight = in_flight(t.schedule, K, M)
-    act, cpu = layer_activations(cfg, arch), device == "cpu"
+    act, cpu, trimmed = layer_activations(cfg, arch), device == "cpu", t.cpu_heap_trim
     dp_state = describe(cfg.dp.kind).state_bytes_per_param(cfg.dp) if m.dp > 1 else 0
     wire = 2 if (cfg.boundary.dtype if cfg.boundary.dtype != "auto" else t.dtype) == "bfloat16" else 4
     needs_logits = t.objective != "sft" or not t.loss_chunk_tokens or tokens <= t.loss_chunk_tokens
@@ -235,10 +237,10 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
         optim = (4 * decoder_trained + 8 * (trained - decoder_trained) if t.optimizer == "muon" else 8 * trained)
         weights = WEIGHT_BYTES * params + 4 * (trained if t.lora.rank else 0)  # LoRA: the adapters besides
         grads, dp = 4 * trained, dp_state * trained
-        kept = act.input.at(tokens) if ckpt else act.resident(tokens, cpu)  # a layer's, per microbatch
+        kept = act.input.at(tokens) if ckpt else act.resident(tokens, cpu, trimmed)  # a layer's, per microbatch
         activations = flight[s] * n_layers * kept
         # while one layer's backward runs: the gradients of what it saved, and with checkpointing its recomputed forward
-        transient = act.saved.at(tokens) + (act.resident(tokens, cpu) if ckpt else 0)
+        transient = act.saved.at(tokens) + (act.resident(tokens, cpu, trimmed) if ckpt else 0)
         boundary = flight[s] * tokens * arch.hidden * wire * ((s > 0) + (s < K - 1))  # received input, sent output
         head = 0.0
         if s == K - 1:
@@ -251,17 +253,27 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
                "microbatches_in_flight": flight[s], "parts_bytes": {k: int(v) for k, v in parts.items()},
                "training_peak_bytes": int(training)}
         peak = training
-        if s == t.model_rank:  # the writer of OUT/model (global rank s is replica 0's stage s)
+        # the job's end (engine/job_model.py), gradients released: the writer of OUT/model (global rank s is replica
+        # 0's stage s) gathers the whole model and holds the largest share in flight; every other stage of replica 0
+        # copies its share once for the wire. On the host: a GPU rank's device memory does not hold it.
+        if s == t.model_rank:
             largest_other = max((p for i, p in enumerate(stage_params) if i != s), default=0)
-            end = floor + weights + optim + dp + WEIGHT_BYTES * (total_params + largest_other)
+            gathered = WEIGHT_BYTES * (total_params + largest_other)
+        else:
+            gathered = WEIGHT_BYTES * params
+        if cpu:
+            end = floor + weights + optim + dp + gathered
             row["end_peak_bytes"] = int(end)
             peak = max(peak, end)
+        else:
+            row["end_host_bytes"] = int(gathered)
         row["peak_bytes"] = int(peak)
         ranks.append(row)
     out = {"source": "plan/memory.py: parameters x bytes; one decoder layer's activations measured on this CPU "
                      "(saved tensors and allocated blocks) x layers x microbatches in flight",
            "device": device, "tokens_per_microbatch": tokens, "activation_checkpointing": ckpt,
-           "layer_bytes": {"saved": act.saved.at(tokens), "resident": act.resident(tokens, cpu)}, "ranks": ranks,
+           "layer_bytes": {"saved": act.saved.at(tokens), "resident": act.resident(tokens, cpu, trimmed)},
+           "ranks": ranks,
            "largest_peak_bytes": max(r["peak_bytes"] for r in ranks)}
     if checkpointing is None:  # the configured run, and beside it the same run with checkpointing switched
         other = "without" if ckpt else "with"

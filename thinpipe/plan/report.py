@@ -67,7 +67,8 @@ def print_memory(memory: dict) -> None:
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     for row in [head, *rows]:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths)))
-    print(f"({memory['source']}; job end: the rank that writes the job's model holds all of it)")
+    print(f"({memory['source']}; job end: the rank that writes the job's model holds all of it, the others a copy "
+          "of their share; on a GPU that is host memory, apart)")
     if memory.get("not_modelled"):
         print(f"not modelled: {'; '.join(memory['not_modelled'])}")
     f = memory.get("fit")

@@ -105,11 +105,12 @@ class LoadedStage:
 
 def configure_stage(stage, cfg: Config):
     """``stage`` computing as the run's config says (``models/stages.py: Stage``): packed-document attention
-    (``model.attention``), activation checkpointing, the chunked loss. Every place that builds a run's stages
-    calls it (this module's ``load_stage``, ``SimMesh``, the simulated anchor circuit)."""
+    (``model.attention``), activation checkpointing, the chunked loss, the CPU heap's trim. Every place that builds a
+    run's stages calls it (this module's ``load_stage``, ``SimMesh``, the simulated anchor circuit)."""
     stage.packed_attention = cfg.model.attention == "packed"
     stage.checkpoint_layers = cfg.train.activation_checkpointing
     stage.loss_chunk_tokens = cfg.train.loss_chunk_tokens
+    stage.trim_heap = cfg.train.cpu_heap_trim
     return stage
 
 
