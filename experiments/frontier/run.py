@@ -136,8 +136,9 @@ def main() -> None:
     run_suite({k: v[0] for k, v in runs.items()}, out, FRONTIER_BASE, args.jobs, args.threads,
               folders={k: v[1] for k, v in runs.items()})
     for _, folder in runs.values():
-        if (folder / "summary.json").is_file():
+        if (folder / "summary.json").is_file():  # a finished run: its checkpoints and its model (weights) go
             shutil.rmtree(folder / "checkpoint", ignore_errors=True)
+            shutil.rmtree(folder / "model", ignore_errors=True)
 
 
 if __name__ == "__main__":

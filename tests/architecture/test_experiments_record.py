@@ -1,8 +1,9 @@
 """experiments/ is a record, not a heap: git tracks no run litter there, and every run summary names its code.
 
-Litter: a run folder's lock (``.thinpipe.lock``), progress logs (``log.txt``, ``*.log``) and per-run loss
-plots (a ``loss.png`` in a run folder, ``results/<run>/...``; a study's own figure, such as
-``dp_compression/results/loss.png``, stays). .gitignore keeps new ones out; this test catches a forced add.
+Litter: a run folder's lock (``.thinpipe.lock``), progress logs (``log.txt``, ``*.log``), the job's model a run
+writes at its end (``model/``) and per-run loss plots (a ``loss.png`` in a run folder, ``results/<run>/...``; a
+study's own figure, such as ``dp_compression/results/loss.png``, stays). .gitignore keeps new ones out; this test
+catches a forced add.
 Every tracked ``summary.json`` carries ``version`` and ``commit`` (40 hex digits, or "unknown"):
 thinpipe/provenance.py writes them, experiments/stamp_summaries.py stamped the older ones from history.
 experiments/README.md ("What is committed").
@@ -26,6 +27,8 @@ def tracked() -> list[PurePosixPath]:
 def litter(path: PurePosixPath) -> bool:
     """A lock, a progress log, or a loss plot in a run folder (experiments/<study>/results/<run>/...)."""
     if path.name in (".thinpipe.lock", "log.txt") or path.suffix == ".log":
+        return True
+    if "model" in path.parts[3:-1]:  # the job's model a run writes at its end (OUT/model/): weights, not a result
         return True
     return path.name == "loss.png" and len(path.parts) > 4 and path.parts[2] == "results"
 

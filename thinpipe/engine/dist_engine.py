@@ -59,6 +59,7 @@ from thinpipe.engine.job_model import (
 )
 from thinpipe.engine.loop import run
 from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at_step
+from thinpipe.models.heap import release_freed_heap
 from thinpipe.objective.registry import make_objective
 from thinpipe.rank.from_config import DTYPES, val_batches, wire_dtype
 from thinpipe.rank.passes import residual_pass, residual_start_boundaries, start_copies
@@ -283,6 +284,7 @@ class DistEngine:
         if self.role.replica == 0 or self.rank == writer:
             for p in self.stage.parameters():  # the last step's gradients: nothing reads them now, the model needs room
                 p.grad = None
+            release_freed_heap()  # and the heap's free pages (training's freed activations), before the shares
         # a sender's share is its stage's own tensors (``flat`` copies them once); the writer's its own copy
         share = model_share(self.stage, self.rk.dp_scheme, copy=self.rank == writer) if self.role.replica == 0 else None
         received = 0
