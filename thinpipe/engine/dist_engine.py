@@ -298,6 +298,8 @@ class DistEngine:
                       for s in range(pp)]
             write_model(loaded, shares, dest, self.cfg)
             received = sent_bytes(shares, writer)
+            del loaded, shares
+            release_freed_heap()  # the gathered model's pages, before the run's last lines and its plot
         gathered = int(sum(float(x[0]) for x in self.gather([float(received)])))
         return model_summary(dest, gathered, writer, self.cfg) if self.lead else {}
 
