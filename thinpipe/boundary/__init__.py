@@ -12,6 +12,7 @@ from thinpipe.boundary.aqsgd import AqsgdBoundary
 from thinpipe.boundary.base import Boundary, Payload, implements
 from thinpipe.boundary.bottleneck import BottleneckBoundary
 from thinpipe.boundary.klt import KltBoundary
+from thinpipe.boundary.klt_dither import KltDitherBoundary
 from thinpipe.boundary.mapl import MaplBoundary
 from thinpipe.boundary.mapl_vq import MaplVQBoundary
 from thinpipe.boundary.mask import MaskBoundary, kept_dims
@@ -22,7 +23,8 @@ from thinpipe.boundary.tahquant import TahQuantBoundary
 from thinpipe.boundary.topk import TopKBoundary
 from thinpipe.config import BOUNDARY_KINDS, ConfigError
 
-__all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "KltBoundary", "MaplBoundary", "MaplVQBoundary",
+__all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "KltBoundary", "KltDitherBoundary", "MaplBoundary",
+           "MaplVQBoundary",
            "MaskBoundary",
            "OutlierBoundary", "Payload", "QuantBoundary", "SsnBoundary", "SubspaceBasis", "TahQuantBoundary",
            "TopKBoundary", "build_boundaries", "implements", "kept_dims"]

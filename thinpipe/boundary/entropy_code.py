@@ -105,7 +105,6 @@ def entropy_bits(step: float, dithered: bool) -> float:
     """Bits per index the model expects for a unit-variance Gaussian at ``step`` (its quantised Gaussian's
     entropy): what a rate allocation spends."""
     s = math.sqrt(1.0 / step ** 2 + (1.0 / 12.0 if dithered else 0.0))
-    k = np.arange(-int(12 * s) - 2, int(12 * s) + 3)
-    cdf = 0.5 * (1 + np.vectorize(math.erf)((k[:, None] + np.array([-0.5, 0.5])) / (s * math.sqrt(2))))
-    p = np.clip(cdf[:, 1] - cdf[:, 0], 1e-300, None)
-    return float(-(p * np.log2(p)).sum())
+    k = torch.arange(-int(12 * s) - 2, int(12 * s) + 3, dtype=torch.float64)
+    p = (torch.special.ndtr((k + 0.5) / s) - torch.special.ndtr((k - 0.5) / s)).clamp_min(1e-300)
+    return float(-(p * p.log2()).sum())

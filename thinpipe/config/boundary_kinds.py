@@ -213,6 +213,39 @@ class KltKind(BoundaryKind):
 
 @register_boundary
 @dataclass(kw_only=True, slots=True)
+class KltDitherKind(BoundaryKind):
+    """``klt-dither`` (not in the papers; issue 52): ``klt``'s basis with an unbiased, entropy-coded forward: each
+    KLT component quantised on a uniform grid with subtractive dither drawn from the boundary's PRF (never sent;
+    the error uniform and independent of the signal), the indices entropy coded (ANS, ``boundary/entropy_code.py``),
+    steps by reverse water-filling on the coder's own rate; ``[boundary.klt-dither]``. Its backward is ``klt``'s."""
+    name = "klt-dither"
+    default_bits = (0, 1)
+    bits: float = 3.5
+    """Forward bits per hidden dim, on average, of a token whose output is scored: the entropy the steps are chosen
+    for (the coder's model of a unit Gaussian; real activations' heavier tails cost a little more, metered)."""
+    context_bits: float = 2.0
+    """The same for every other token (prompt, padding)."""
+    channels: int = 4
+    """Channels sent intact in bf16 (``klt``'s)."""
+    bwd_tokens: float = 0.5
+    """Fraction of a microbatch's tokens whose activation gradient is sent back (``klt``'s backward)."""
+    basis_dtype: str = "int8"
+    """The start's basis on the wire: ``int8`` (one bf16 step per column) or ``bfloat16``."""
+    dither: bool = True
+    """Subtractive dither (unbiased; issue 52 item 2). False: plain entropy-coded uniform steps (ECSQ, deterministic;
+    item 3), whose coarsest steps round small components to 0 as Lloyd-Max's do."""
+
+    def validate(self, boundary) -> None:
+        if not 0 < self.bits <= 8 or not 0 < self.context_bits <= 8 or not 0 < self.bwd_tokens <= 1:
+            raise ValueError("boundary.klt-dither.bits and context_bits must be in (0, 8] bits per dim and bwd_tokens "
+                             f"in (0, 1], got {self.bits}, {self.context_bits} and {self.bwd_tokens}")
+        if self.basis_dtype not in ("bfloat16", "int8") or self.channels < 0:
+            raise ValueError("boundary.klt-dither.basis_dtype must be bfloat16 or int8 and channels >= 0, got "
+                             f"{self.basis_dtype!r} and {self.channels}")
+
+
+@register_boundary
+@dataclass(kw_only=True, slots=True)
 class SsnKind(BoundaryKind):
     """``ssn``: Subspace Networks, a fixed shared basis of ``boundary.rank`` dims and confined weights (MAPL App.
     A); part of the model; ``[boundary.ssn]``."""

@@ -179,14 +179,17 @@ class Stage(nn.Module):
         masks = self.layer_masks(ctx.attn_mask)
         kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
+        trim = self.trim_heap and h.device.type == "cpu"
         for layer, kind, window in zip(self.layers.values(), self.layer_types, self.windows):
+            if trim and h.requires_grad:  # once this layer's backward is done, its freed blocks go back too
+                h.register_hook(_trim_after_backward)
             if recompute:  # only the layer's input is kept; its activations are recomputed in the backward
                 h = checkpoint(layer, h, use_reentrant=False, attention_mask=masks[window],
                                position_ids=ctx.position_ids, position_embeddings=pos[kind])
             else:
                 h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids,
                           position_embeddings=pos[kind], **kv)
-            if self.trim_heap and h.device.type == "cpu":  # the layer's freed temporaries: back to the system
+            if trim:  # the layer's freed temporaries: back to the system
                 release_freed_heap()
         return h
 
@@ -226,6 +229,13 @@ class Stage(nn.Module):
                 continue
             out[hf_name(name)] = t
         return out
+
+
+def _trim_after_backward(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook on a layer's input (``Stage.trim_heap``): the layer's backward is done, return the heap's free
+    pages (its freed activations and temporaries); the gradient passes unchanged."""
+    release_freed_heap()
+    return grad
 
 
 _SAID: set[str] = set()

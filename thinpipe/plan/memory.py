@@ -37,6 +37,7 @@ fragmentation.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -79,6 +80,8 @@ class LayerActivations:
     saved: Line
     input: Line
     freed: tuple[Line, ...]
+    forward_excess: Line
+    """How far above what it ends holding a layer's live blocks rise during its forward (its temporaries at once)."""
 
     def resident(self, tokens: int, cpu: bool, trimmed: bool = True) -> float:
         """What one layer's forward leaves resident: on a GPU its saved tensors (the caching allocator reuses every
@@ -153,6 +156,10 @@ def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_ran
             self.sizes: list[int] = []
             self.saved: set[int] = set()
             self.latest: dict[int, int] = {}
+            self.live = self.peak = 0  # bytes of the blocks alive now, and at most (each freed with its tensor)
+
+        def _freed(self, size: int) -> None:
+            self.live -= size
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
@@ -160,11 +167,15 @@ def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_ran
             for t in tree_leaves(out):
                 ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
                 if ptr is not None and ptr not in given and ptr not in params:
+                    size = t.untyped_storage().nbytes()
                     self.latest[ptr] = len(self.sizes)
-                    self.sizes.append(t.untyped_storage().nbytes())
+                    self.sizes.append(size)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._freed, size)
             return out
 
-    def measure(tokens: int) -> tuple[int, int, list[int]]:
+    def measure(tokens: int) -> tuple[int, int, list[int], int]:
         saved: dict[int, int] = {}
         blocks = Allocations()
 
@@ -181,15 +192,17 @@ def _measure(hidden: int, intermediate: int, heads: int, kv_heads: int, lora_ran
         x = torch.randn(1, tokens, hidden, requires_grad=True)
         with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), cast, blocks:
             out = stage(x, ctx).float().sum()
+        excess = max(blocks.peak - blocks.live, 0)  # the forward's peak over what it ends holding
         out.backward()
         freed = [b for i, b in enumerate(blocks.sizes) if i not in blocks.saved]
-        return sum(saved.values()), x.numel() * x.element_size(), freed
+        return sum(saved.values()), x.numel() * x.element_size(), freed, excess
 
     (n1, a), (n2, b) = ((n, measure(n)) for n in MEASURE_TOKENS)
     if len(a[2]) != len(b[2]):  # the ops differ between the two lengths: their sum, as one block, instead
-        a, b = (a[0], a[1], [sum(a[2])]), (b[0], b[1], [sum(b[2])])
+        a, b = (a[0], a[1], [sum(a[2])], a[3]), (b[0], b[1], [sum(b[2])], b[3])
     return LayerActivations(Line.through(n1, a[0], n2, b[0]), Line.through(n1, a[1], n2, b[1]),
-                            tuple(Line.through(n1, x, n2, y) for x, y in zip(a[2], b[2])))
+                            tuple(Line.through(n1, x, n2, y) for x, y in zip(a[2], b[2])),
+                            Line.through(n1, a[3], n2, b[3]))
 
 
 def layer_activations(cfg: Config, arch) -> LayerActivations:
@@ -239,8 +252,12 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
         grads, dp = 4 * trained, dp_state * trained
         kept = act.input.at(tokens) if ckpt else act.resident(tokens, cpu, trimmed)  # a layer's, per microbatch
         activations = flight[s] * n_layers * kept
-        # while one layer's backward runs: the gradients of what it saved, and with checkpointing its recomputed forward
-        transient = act.saved.at(tokens) + (act.resident(tokens, cpu, trimmed) if ckpt else 0)
+        # one layer at a time: its forward's temporaries, or while its backward runs the gradients of what it saved;
+        # with checkpointing also its recomputed forward
+        # (on a trimmed CPU heap the layer's freed blocks are given back only at its end: until then a part stays)
+        transient = max(act.forward_excess.at(tokens), act.saved.at(tokens)) + \
+            (act.resident(tokens, cpu, trimmed=False) - act.saved.at(tokens) if cpu and trimmed else 0) + \
+            (act.resident(tokens, cpu, trimmed) if ckpt else 0)
         boundary = flight[s] * tokens * arch.hidden * wire * ((s > 0) + (s < K - 1))  # received input, sent output
         head = 0.0
         if s == K - 1:

@@ -13,8 +13,8 @@ from thinpipe.config import BOUNDARY_KINDS, ConfigError, load_config
 from thinpipe.plugins import register_boundary
 
 README = Path(__file__).resolve().parents[3] / "README.md"
-BUILT_IN = ["identity", "mask", "topk", "quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier", "klt", "ssn",
-            "mapl", "mapl-vq"]
+BUILT_IN = ["identity", "mask", "topk", "quant4", "quant2", "aqsgd", "tahquant", "bottleneck", "outlier", "klt",
+            "klt-dither", "ssn", "mapl", "mapl-vq"]
 
 
 def test_every_built_in_kind_is_registered_and_built_by_its_own_class():

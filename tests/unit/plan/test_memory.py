@@ -128,8 +128,8 @@ def test_plan_memory_json_and_the_cheapest_change_that_fits(capsys):
 
 
 def test_a_cpu_stage_trims_the_heap_after_each_layers_forward(monkeypatch):
-    """``train.cpu_heap_trim`` (models/heap.py): one trim per decoder layer of a CPU stage's forward, none when off;
-    the numbers are the same either way."""
+    """``train.cpu_heap_trim`` (models/heap.py): a trim after each decoder layer's forward and backward on a CPU
+    stage, none when off; the numbers are the same either way."""
     import thinpipe.models.stages as stages_module
 
     calls = []
@@ -137,11 +137,15 @@ def test_a_cpu_stage_trims_the_heap_after_each_layers_forward(monkeypatch):
     model = load_model("small-llama").model
     pos, docs = positions_and_mask(torch.zeros(1, 16, dtype=torch.long))
     ctx = type("Ctx", (), {"position_ids": pos, "attn_mask": docs})()
-    x = torch.randn(1, 16, 128)
-    outs = []
+    outs, grads = [], []
     for on in (True, False):
         cfg = load_config(None, [f"train.cpu_heap_trim={str(on).lower()}"])
         stage = configure_stage(build_stages(model, [3, 2, 3], 3)[1], cfg)
+        x = torch.randn(1, 16, 128, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        calls.clear()
         outs.append(stage(x, ctx))
-        assert len(calls) == 2  # the stage's two layers, and nothing more when off
-    assert torch.equal(*outs)
+        assert len(calls) == 2 * on  # after each of the stage's two layers' forwards, and nothing when off
+        outs[-1].square().sum().backward()
+        grads.append(x.grad)
+        assert len(calls) == 4 * on  # and after each of their backwards
+    assert torch.equal(*outs) and torch.equal(*grads)
