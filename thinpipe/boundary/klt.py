@@ -42,23 +42,14 @@ Backward: the activation gradient on ``outlier``'s Lloyd-Max grid (Hadamard tile
 one bf16 RMS per token, ``bwd_bits`` bits), with ``klt_bwd_tokens`` = f < 1 sending only the
 ceil(f N) tokens of largest gradient norm and a bitmap of N bits naming them (its bytes counted).
 
-The refresh (``klt_refresh_every`` = N > 0): every N steps both ends refit the forward basis and
-tables from the decoded activations of the scored tokens since the last refit, and fit the
-gradient's own basis (its second moment's eigenvectors, ``bwd_bits`` per dim on average, the same
-codes and scales) from the decoded gradients, after which the backward is coded in it. Both ends
-hold that data (each decodes what it sends), so no byte crosses; each microbatch's moments are added
-once per copy (the simulation's one object holding both ends skips the second), in float64 buffers
-saved with the checkpoint. Decoded data underestimates the variance of coarsely coded components
-(by 1 - D(b)), a bias the refit keeps.
+The refresh (``klt_refresh_every`` = N > 0): every N steps both ends refit the forward basis and tables from
+the decoded activations they both hold, and fit the gradient's own basis from the decoded gradients (no byte
+crosses; ``_refresh``; float64 moments saved with the checkpoint; decoded data keeps the codes' bias).
 
-The noise-equivalent diagnosis (``klt_noise_equivalent``, issue 52; experiments/frontier/README.md): the forward
-sends x + n, n zero-mean Gaussian with the codec's own error power per KLT direction and token class, fresh every
-microbatch: the codec's error without its bias (its Lloyd-Max shrinkage, the directions it deletes), dense fp32.
+The noise-equivalent diagnosis (``klt_noise_equivalent``, issue 52): ``equivalent_noise.py``, dense fp32.
 
-Bytes per microbatch of N tokens, L of them loss tokens (forward), with n_k(table) the components of
-width k and w(table) its widths: 2 C N + 2 w(loss) L + sum_k ceil(L n_k(loss) k / 8) + 2 w(ctx) (N - L)
-+ sum_k ceil((N - L) n_k(ctx) k / 8); backward as ``outlier``'s, or after the gradient's basis is
-fitted 2 w(grad) K + sum_k ceil(K n_k(grad) k / 8) + the bitmap (``expected_bytes``).
+Bytes per microbatch of N tokens, L of them scored (forward), n_k(t) the components of width k, w(t) the widths of
+table t: 2 C N + sum over t of (2 w(t) n_t + sum_k ceil(n_t n_k(t) k / 8)); backward ``outlier``'s (``expected_bytes``).
 """
 
 from __future__ import annotations
@@ -66,6 +57,8 @@ from __future__ import annotations
 import torch
 
 from thinpipe.boundary.base import Payload, implements
+from thinpipe.boundary.equivalent_noise import equivalent_noise
+from thinpipe.boundary.klt_refresh import KltRefresh
 from thinpipe.boundary.lloyd_max import SCALE_DTYPE
 from thinpipe.boundary.outlier import OutlierBoundary
 from thinpipe.boundary.quant import pack_bits, packed_bytes, unpack_bits
@@ -91,8 +84,8 @@ SCALES = ("width", "token")
 
 
 @implements(KltKind)
-class KltBoundary(OutlierBoundary):
-    RESIZED = ("basis", "std", "bits_loss", "bits_context", "gbasis", "gstd", "gbits")
+class KltBoundary(KltRefresh, OutlierBoundary):
+    RESIZED: tuple[str, ...] = ("basis", "std", "bits_loss", "bits_context", "gbasis", "gstd", "gbits")
     # buffers the typed methods use (registered in __init__; the refresh's with refresh_every > 0), for the checker
     mean: torch.Tensor
     grad_klt: torch.Tensor
@@ -206,50 +199,6 @@ class KltBoundary(OutlierBoundary):
                 setattr(self, name, torch.empty_like(saved, device=self.mean.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    # the refresh: both ends refit from the decoded data they both hold (no bytes) ----------------------
-    def _at_step(self, step: int) -> None:
-        """The first call of a step: a due refresh (every ``refresh_every`` steps) refits both bases from
-        the moments of the steps before it. Both ends (and, in the simulation, the one object holding
-        them) reach it on their first call of the step, with the same sums."""
-        if step == self._step:
-            return
-        self._step, self._seen = step, set()
-        if self.refresh_every and step > 0 and step % self.refresh_every == 0:
-            self._refresh()
-
-    def _observe(self, ctx, direction: str, rows: torch.Tensor) -> bool:
-        """Add a microbatch's decoded rows to the moments once (the other end, or the simulation's second
-        call, computes the same rows and is skipped). False: already added (nothing to compute)."""
-        key = (ctx.microbatch, direction)
-        if not self.refresh_every or key in self._seen:
-            return False
-        self._seen.add(key)
-        r = rows.double()
-        if direction == "fwd":
-            self.fwd_sum += r.sum(0)
-            self.fwd_sq += r.T @ r
-            self.fwd_n += r.shape[0]
-        else:
-            self.bwd_sq += r.T @ r
-            self.bwd_n += r.shape[0]
-        return True
-
-    @torch.no_grad()
-    def _refresh(self) -> None:
-        if float(self.fwd_n) > 1:
-            mean = self.fwd_sum / self.fwd_n
-            cov = self.fwd_sq / self.fwd_n - torch.outer(mean, mean)
-            mean, basis, std, (loss, context) = fit_moments(mean, cov, (self.loss_bits, self.context_bits))
-            self._set_forward(mean, basis, std, loss, context)
-        if float(self.bwd_n) > 1:  # the gradient's mean is ~0: its second moment is its covariance
-            _, gbasis, gstd, (gbits,) = fit_moments(torch.zeros(self.hidden_size), self.bwd_sq / self.bwd_n,
-                                                    (float(self.bwd_bits),))
-            dev = self.mean.device
-            self.gbasis, self.gstd, self.gbits = gbasis.to(dev), gstd.to(dev), gbits.to(dev)
-            self.grad_klt.fill_(True)
-        for t in (self.fwd_sum, self.fwd_sq, self.fwd_n, self.bwd_sq, self.bwd_n):
-            t.zero_()
-
     # the forward -------------------------------------------------------------------------------
     def _classes(self, ctx) -> dict[str, torch.Tensor]:
         scored = loss_tokens(ctx.labels).reshape(-1)
@@ -263,39 +212,14 @@ class KltBoundary(OutlierBoundary):
         z = ((flat - self.mean.float()) @ self.basis.float()) / self.std.float()
         for c, rows in self._classes(ctx).items():
             out[f"{c}_scale"], out[f"{c}_codes"] = code(z[rows], getattr(self, f"bits_{c}"), self.per_width)
-        if self.noise_equivalent:
-            return x, Payload({"x": self._noise_equivalent(x.detach().float().reshape(-1, self.hidden_size),
-                                                           self._decode(out, ctx), ctx)})
+        if self.noise_equivalent:  # the diagnosis: the codec's error power without its bias (equivalent_noise.py)
+            key = hash((self.seed, self.index, ctx.step, ctx.microbatch, ctx.replica))
+            return x, Payload({"x": equivalent_noise(x.detach().float().reshape(-1, self.hidden_size),
+                                                     self._decode(out, ctx), self.basis.float(), self.channels,
+                                                     self._classes(ctx), key)})
         if self.refresh_every and (ctx.microbatch, "fwd") not in self._seen:  # the sender's copy of x_hat
             self._observe_forward(self._decode(out, ctx), ctx)
         return x, Payload(out)
-
-    def _noise_equivalent(self, x: torch.Tensor, x_hat: torch.Tensor, ctx) -> torch.Tensor:
-        """x plus zero-mean Gaussian noise with the codec's error power (x - x_hat) per token class: in each
-        direction of the basis U_m its mean square, and in the rest of the coded space (the directions the basis
-        drops) its mean energy spread evenly; the intact channels exact. The noise is drawn fresh for every
-        (step, microbatch, replica) from a generator of its own, independent of x: unbiased, unlike the codes."""
-        err = x - x_hat
-        err[:, self.channels] = 0.0
-        U = self.basis.float()
-        gen = torch.Generator().manual_seed(hash((self.seed, self.index, ctx.step, ctx.microbatch, ctx.replica))
-                                            & (2 ** 62 - 1))
-        rest = self.hidden_size - U.shape[1] - self.channels.numel()  # dimensions outside the basis, coded space
-        noisy = x.clone()
-        for rows in self._classes(ctx).values():
-            if not rows.numel():
-                continue
-            e_u = err[rows] @ U
-            power = e_u.pow(2).mean(0)                                  # per direction of U_m
-            noise = (torch.randn(e_u.shape, generator=gen).to(U.device) * power.sqrt()) @ U.T
-            if rest > 0:
-                r = err[rows] - e_u @ U.T
-                g = torch.randn(noise.shape, generator=gen).to(U.device)
-                g[:, self.channels] = 0.0
-                g = g - (g @ U) @ U.T
-                noise += g * (r.pow(2).sum(1).mean() / rest).sqrt()
-            noisy[rows] += noise
-        return noisy
 
     def _observe_forward(self, x_hat: torch.Tensor, ctx) -> None:
         """The loss tokens' decoded activations (the best-coded ones), intact channels out as at the start."""
