@@ -67,6 +67,11 @@ CASES = {
         "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.dp=2", "--set", "boundary.kind=klt",
         "--set", "boundary.quant_group=16", "--set", "boundary.klt_bits=3", "--set", "boundary.klt_context_bits=1",
         "--set", "boundary.klt_refresh_every=2", "--set", "train.steps=4"]),
+    # Issue 52's unbiased, entropy-coded forward: both ends draw the dither from the PRF, the coded streams'
+    # lengths vary with the data and are metered as coded (the same bytes on the wire as in the simulation).
+    "klt-dither, 3 stages": (3, [
+        "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=klt-dither",
+        "--set", "boundary.quant_group=16", "--set", "train.steps=3"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
     # also a checkpoint and a held-out loss every 2 steps (the rows' val_loss, the checkpoint mid-run)
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",
