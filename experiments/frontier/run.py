@@ -50,6 +50,14 @@ def klt(loss_bits: float, context_bits: float, bwd_tokens: float, bwd_bits: int 
             **{f"boundary.klt_{k}": v for k, v in more.items()}}
 
 
+def kltd(loss_bits: float, context_bits: float, bwd_tokens: float, **more) -> dict:
+    """The klt-dither kind: the klt basis (16 batches at the start), dithered uniform steps, entropy coded."""
+    return {"boundary.kind": "klt-dither", "boundary.klt-dither.bits": loss_bits,
+            "boundary.klt-dither.context_bits": context_bits, "boundary.klt-dither.bwd_tokens": bwd_tokens,
+            "boundary.bwd_bits": 1, "boundary.pca_batches": 16,
+            **{f"boundary.klt-dither.{k}": v for k, v in more.items()}}
+
+
 ARMS = {
     "Dense": {},
     "Outlier 2b-2b": outlier(2, 2),
@@ -107,6 +115,10 @@ ARMS = {
     # issue 52's diagnosis: T70 q8 with its forward replaced by zero-mean noise of the codec's own error power per
     # KLT direction and token class, fresh each step (dense on the wire: a question, not a codec)
     "KLTw 3-1b-1b T70 q8 noise-equivalent": klt(3, 1, 0.7, basis_dtype="int8", noise_equivalent=True),
+    # issue 52 items 2-4: the unbiased (dithered), entropy-coded forward on the same basis, int8; bits = the coder's
+    # model entropy per dim (scored / context tokens), a token-sparse 1-bit backward (T = kept share)
+    **{f"KLTd {lb:g}-{cb:g}b-1b T{round(t * 100)}": kltd(lb, cb, t) for lb, cb, t in ((3.2, 2, 0.5), (3.5, 2, 0.5))},
+    "KLTe 3.2-2b-1b T50": kltd(3.2, 2.0, 0.5, dither=False),  # plain ECSQ: the same coder, no dither
 }
 
 
