@@ -70,6 +70,9 @@ GRID: list[tuple[str, dict]] = [
     # issue 36: KLT codes, 3 bits/dim on scored tokens and 1 on the others, 75% of the gradients at 1 bit
     ("klt 3/1b 1b T75", {"boundary.kind": "klt", "boundary.klt_bits": 3.0, "boundary.klt_context_bits": 1.0,
                          "boundary.klt_bwd_tokens": 0.75, "boundary.pca_batches": 16}),
+    # issue 52: the same basis, an unbiased (dithered) entropy-coded forward, half of the gradients at 1 bit
+    ("klt-dither 3.2/2b T50", {"boundary.kind": "klt-dither", "boundary.klt-dither.bits": 3.2,
+                               "boundary.klt-dither.context_bits": 2.0, "boundary.pca_batches": 16}),
     ("mapl r=64 pca", {"boundary.kind": "mapl", "boundary.rank": 64, "boundary.init": "pca"}),
     ("mapl r=32 pca", {"boundary.kind": "mapl", "boundary.rank": 32, "boundary.init": "pca"}),
     ("ssn r=64", {"boundary.kind": "ssn", "boundary.rank": 64}),
