@@ -90,10 +90,10 @@ class TrainConfig:
     in the backward, so the (tokens x vocabulary) logits and their gradient never exist whole (0 = all at once;
     objectives that read the logits, DPO and GSPO, take them whole)."""
     cpu_heap_trim: bool = True
-    """On the CPU, return the heap's free pages to the system after each decoder layer's forward (glibc's
-    ``malloc_trim``; ``models/heap.py``): a layer's freed temporaries otherwise stay resident, about doubling a CPU
-    rank's activation memory (llama-150m, 2 x 2,048 tokens: 5.56 -> 3.47 GiB peak RSS). No effect on the numbers, on a
-    GPU, or off glibc."""
+    """On the CPU, return the heap's free pages to the system after each decoder layer's forward and backward (glibc's
+    ``malloc_trim``; ``models/heap.py``; layers whose input is under 1 MiB skip it): a layer's freed temporaries
+    otherwise stay resident, about doubling a CPU rank's activation memory (llama-150m, 2 x 2,048 tokens: 5.56 -> 3.47
+    GiB peak RSS). No effect on the numbers, on a GPU, or off glibc."""
     checkpoint_every: int = 50
     """Write a resumable checkpoint (atomically) every N steps and at the end (0 = only at the end)."""
     keep_checkpoints: int = 2

@@ -97,6 +97,9 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     keep = torch.where(targets == -100, -100, 0).reshape(-1)
     return F.nll_loss(picked, keep, ignore_index=-100, reduction="sum")
 
+TRIM_MIN_BYTES = 1 << 20  # a layer's input below this (a tiny model's) leaves nothing worth a trim (~1 ms each)
+
+
 class Stage(nn.Module):
     """One pipeline stage: (embed?) -> layers[first:first+n] -> (norm, head, loss)?
 
@@ -179,7 +182,7 @@ class Stage(nn.Module):
         masks = self.layer_masks(ctx.attn_mask)
         kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
-        trim = self.trim_heap and h.device.type == "cpu"
+        trim = self.trim_heap and h.device.type == "cpu" and h.numel() * h.element_size() >= TRIM_MIN_BYTES
         for layer, kind, window in zip(self.layers.values(), self.layer_types, self.windows):
             if trim and h.requires_grad:  # once this layer's backward is done, its freed blocks go back too
                 h.register_hook(_trim_after_backward)
