@@ -75,7 +75,7 @@ def bf16_bytes(cfg: dict, fp32_bytes: float) -> float:
     b = boundary_keys(cfg)
     if b["kind"] in ("mapl", "ssn"):
         return fp32_bytes - b["rank"] * 2 * 2 * BOUNDARIES
-    if b["kind"] == "klt":  # codes, bf16 scales and bf16 channels both ways: nothing crosses in the wire dtype
+    if b["kind"] in ("klt", "klt-dither"):  # codes (fixed or entropy-coded), bf16 scales and channels: no wire dtype
         return fp32_bytes
     c = Config()
     skip = ("dtype", "anchor")  # the wire is what this computes; "anchor" is an old name of MAPL's offset
