@@ -10,6 +10,7 @@ two steps (the second step's backward holds the optimizer's state beside the act
 
     .venv/bin/python benchmarks/memory_prediction.py            # ~40 minutes on 2 cores
     .venv/bin/python benchmarks/memory_prediction.py --models llama-150m --seq-lens 512   # one corner
+    .venv/bin/python benchmarks/memory_prediction.py --repredict   # the committed measurements, predicted by this code
 """
 
 from __future__ import annotations
@@ -54,6 +55,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def repredict(path: Path) -> int:
+    """The measured rows of ``path`` predicted again by the current ``plan/memory.py``: the file keeps the
+    measurements and their code stamp (``measured_with``), and records this code's stamp for the predictions."""
+    data = json.loads(path.read_text())
+    for row in data["rows"]:
+        cfg = load_config(None, [*settings(row["model"], row["stages"], row["lora"], row["seq_len"]),
+                                 f"mesh.pp={row['stages']}"])
+        row["prediction"] = predict(cfg, ARCHITECTURES[row["model"]], "cpu")
+        row["predicted_bytes"] = [r["peak_bytes"] for r in row["prediction"]["ranks"]]
+    data.setdefault("measured_with", {k: data.get(k) for k in ("version", "commit", "dirty")})
+    data["predicted_with"] = code_stamp()
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(table(data["rows"]))
+    ratios = [p / m for r in data["rows"] for p, m in zip(r["predicted_bytes"], r["measured_bytes"])]
+    print(f"predicted / measured: {min(ratios):.3f} .. {max(ratios):.3f} over {len(ratios)} ranks")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["llama-150m", "llama-500m"])
@@ -61,7 +80,11 @@ def main() -> int:
     p.add_argument("--seq-lens", type=int, nargs="+", default=[512, 2048])
     p.add_argument("--training", nargs="+", choices=["lora", "full"], default=["lora", "full"])
     p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--repredict", action="store_true",
+                   help="keep the results file's measured peaks and predict them again with this code (no jobs run)")
     args = p.parse_args()
+    if args.repredict:
+        return repredict(args.results)
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory-prediction-") as work:
         for model in args.models:
@@ -89,7 +112,7 @@ def main() -> int:
                             "rows": rows}, indent=1) + "\n")
     print(table(rows))
     ratios = [p / m for r in rows for p, m in zip(r["predicted_bytes"], r["measured_bytes"])]
-    print(f"predicted / measured: {min(ratios):.2f} .. {max(ratios):.2f} over {len(ratios)} ranks")
+    print(f"predicted / measured: {min(ratios):.3f} .. {max(ratios):.3f} over {len(ratios)} ranks")
     return 0
 
 

@@ -254,9 +254,7 @@ def predict(cfg: Config, arch, device: str = "cpu", checkpointing: bool | None =
         activations = flight[s] * n_layers * kept
         # one layer at a time: its forward's temporaries, or while its backward runs the gradients of what it saved;
         # with checkpointing also its recomputed forward
-        # (on a trimmed CPU heap the layer's freed blocks are given back only at its end: until then a part stays)
         transient = max(act.forward_excess.at(tokens), act.saved.at(tokens)) + \
-            (act.resident(tokens, cpu, trimmed=False) - act.saved.at(tokens) if cpu and trimmed else 0) + \
             (act.resident(tokens, cpu, trimmed) if ckpt else 0)
         boundary = flight[s] * tokens * arch.hidden * wire * ((s > 0) + (s < K - 1))  # received input, sent output
         head = 0.0
