@@ -29,6 +29,7 @@ def probed():
     return cfg, probe(cfg, grid, num_batches=2, progress=False, forward_cosine=False)
 
 
+@pytest.mark.slow
 def test_cos_fwd_is_the_gradients_cosine_with_only_the_forward_compressed():
     """``cos_fwd`` (issue 52): the backward made exact. An arm whose backward is already exact has it equal to its
     gradient cosine; a codec's is the forward's share of its damage; a kind that is part of the model has none."""
