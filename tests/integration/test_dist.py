@@ -32,6 +32,9 @@ CASES = {
                                                    "--set", "dp.kind=powersgd", "--set", "dp.start_step=1",
                                                    "--set", "train.model_rank=3", "--set", "eval.every=2",
                                                    "--set", "eval.tasks=[\"arc_easy\"]", "--set", "eval.limit=4"]),
+    # a mixture of experts trained with each stage's router loss (models/router_loss.py): router_aux_loss in every
+    # row, equal field for field (issue 53)
+    "tiny Mixtral with its router loss, 2 stages": (2, ["--set", "model.name=tiny-mixtral", "--set", "mesh.pp=2"]),
     "MAPL-VQ, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=mapl-vq",
                               "--set", "boundary.rank=16", "--set", "boundary.vq_codes=32",
                               "--set", "boundary.vq_sync_codes=4"]),
@@ -140,6 +143,9 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
             assert_same_model_folder(dist_out / "model", sim / "model")
     if case == "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row":
         check_parts_on_two_machines(dist_out, sim, tmp_path)
+    if "Mixtral" in case:
+        rows = [json.loads(x) for x in (dist_out / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["router_aux_loss"] > 1.0 for r in rows)  # near top_k = 2 when balanced; 0 would be none
     if case == "mask + PowerSGD, 2 replicas x 2 stages":
         # train.model_rank = 3 (replica 1's last stage) wrote it: both stages of replica 0 sent it their shares
         from safetensors.torch import load_file

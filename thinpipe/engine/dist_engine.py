@@ -99,6 +99,7 @@ class DistEngine:
         self.feed = (anchor_feed(cfg, self.stage, self.role.replica, self.layout, self.rank, self.groups, self.meter,
                                  links, wire_dtype(cfg)) if m.anchor else None)
         self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
+        self._router_aux = 0.0
         self._complete = -1  # the newest checkpoint set every rank holds
         self._fault_at = fault_at_step()  # crash-recovery tests only (thinpipe/faults.py)
         self._trained = False  # a load after a step is a rollback
@@ -160,15 +161,19 @@ class DistEngine:
         """After a step: the whole mesh's bytes and replica 0's gradient norm (every rank decides alike on it), in
         one collective over the fast ranks."""
         mine = self.meter.snapshot()
-        rows = self.gather([self.rk.last_grad_norm, *(mine[a] for a in AXES)])
-        self._bytes = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        rows = self.gather([self.rk.last_grad_norm, self.rk.router_aux, *(mine[a] for a in AXES)])
+        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
         self._grad_norm = float(rows[0][0])
+        self._router_aux = sum(float(r[1]) for r in rows) / self.layout.dp  # stages summed, replicas averaged
 
     def after_schedule(self, step: int) -> None:
         """Between a step's pipeline schedule and its DP syncs (fault-injection point of the elastic tests)."""
 
     def grad_norm(self) -> float:
         return self._grad_norm
+
+    def router_aux_loss(self) -> float | None:
+        return self._router_aux if self.stage.family.experts else None
 
     def bytes_total(self) -> dict[str, int]:
         """Every fast rank's metered bytes as of the last step (at the end, the anchor ranks' too:

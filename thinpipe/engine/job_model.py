@@ -30,7 +30,7 @@ from thinpipe.comm.header import Expect
 from thinpipe.config import Config
 from thinpipe.models.loading import model_folder, save_weights
 from thinpipe.models.lora import merge_lora
-from thinpipe.models.stages import Stage, build_stages, hf_name, merge_state
+from thinpipe.models.stages import Stage, build_stages, merge_state
 from thinpipe.rank.from_config import load_empty
 
 MODEL_DIR = "model"
@@ -43,7 +43,7 @@ def model_share(stage: Stage, scheme, copy: bool = True) -> dict[str, torch.Tens
     it a sender's share may be the stage's own tensors, which ``flat`` copies once for the wire."""
     share = {k: v.detach().to("cpu", copy=copy) for k, v in stage.hf_state_dict().items()}
     for name, w in (scheme.synchronised() or {}).items():
-        share[hf_name(name)] = w.detach().to("cpu", copy=copy)
+        share[stage.hf_name(name)] = w.detach().to("cpu", copy=copy)
     return share
 
 

@@ -58,6 +58,8 @@ class Engine(Protocol):
     #                                                              committed (elastic: a replica was lost), redo it
     def tokens_seen(self) -> int: ...                            # training tokens of the whole mesh so far
     def grad_norm(self) -> float: ...
+    def router_aux_loss(self) -> float | None: ...               # a mixture of experts' router loss in the last step
+    #                                                              (every stage's, replicas averaged); None: dense
     def bytes_total(self) -> dict[str, int]: ...                 # cumulative, whole mesh, per axis
     def captured_energy(self) -> dict | None: ...
     def diagnostics(self) -> dict | None: ...
@@ -231,6 +233,9 @@ def _row(engine: Engine, cfg: Config, vk: str, step: int, loss: float, wall_s: f
     row = {"step": step, "loss": loss, "lr": lr_at(cfg, step), "tokens": engine.tokens_seen(),
            "grad_norm": engine.grad_norm(), **{f"{a}_bytes": b[a] for a in AXES}, "wall_s": wall_s,
            **objective.metrics()}
+    router = engine.router_aux_loss()
+    if router is not None:
+        row["router_aux_loss"] = router
     diag = engine.diagnostics()
     if diag is not None:
         row["diag"] = diag

@@ -71,6 +71,13 @@ class SimEngine:
     def grad_norm(self) -> float:
         return self.mesh.last_grad_norm
 
+    def router_aux_loss(self) -> float | None:
+        """A mixture of experts' router loss in the last step (models/router_loss.py): every stage's summed, the
+        replicas' averaged; None for a dense model."""
+        if not self.mesh.replicas[0][0].family.experts:
+            return None
+        return sum(rk.router_aux for rk in self.mesh.all_ranks()) / self.cfg.mesh.dp
+
     def bytes_total(self) -> dict[str, int]:
         return self.mesh.meter.snapshot()
 

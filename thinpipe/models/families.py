@@ -43,6 +43,45 @@ LLAMA_LORA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 
 
 @dataclass(frozen=True)
+class Layout:
+    """Where a family's modules live in its ``...ForCausalLM``: a stage holds them under its own names
+    (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``, ``lm_head``, so the engines never see a family) and
+    ``hf_name`` gives each parameter back its name in the checkpoint."""
+
+    decoder: str = "model"
+    """The decoder module's attribute on the causal LM (``model``; GPT-NeoX ``gpt_neox``; Falcon ``transformer``)."""
+    embed: str = "embed_tokens"
+    """The token embedding's attribute on the decoder (GPT-NeoX ``embed_in``; Falcon ``word_embeddings``)."""
+    layers: str = "layers"
+    """The decoder layers' list (Falcon ``h``)."""
+    norm: str = "norm"
+    """The final norm (Phi ``final_layernorm``; GPT-NeoX ``final_layer_norm``; Falcon ``ln_f``)."""
+    head: str = "lm_head"
+    """The vocabulary projection's attribute on the causal LM."""
+
+    def hf_name(self, stage_name: str) -> str:
+        """A stage's parameter name -> its name in the Hugging Face model (``layers.3.mlp.up_proj.weight`` is
+        ``model.layers.3.mlp.up_proj.weight`` in the Llama layout, ``transformer.h.3.mlp...`` in Falcon's)."""
+        first, _, rest = stage_name.partition(".")
+        if first == "lm_head":
+            return f"{self.head}.{rest}"
+        inner = {"embed_tokens": self.embed, "layers": self.layers, "norm": self.norm}.get(first, first)
+        return f"{self.decoder}.{inner}.{rest}"
+
+    @property
+    def embedding_weight(self) -> str:
+        """The token embedding's name in the checkpoint (a tied head is stored as it)."""
+        return f"{self.decoder}.{self.embed}.weight"
+
+    @property
+    def head_weight(self) -> str:
+        return f"{self.head}.weight"
+
+
+LLAMA_LAYOUT = Layout()
+
+
+@dataclass(frozen=True)
 class Family:
     """One ``model_type``'s forward outside its decoder layers (see the module docstring)."""
 
@@ -65,21 +104,56 @@ class Family:
     """``train.lora.target_modules``'s default for the family: every linear map of a decoder layer."""
     refuse: Callable[[object], str | None] | None = None
     """An option of this family the seam cannot honour: the reason, or None."""
+    layout: Layout = LLAMA_LAYOUT
+    """Where its embedding, layers, final norm and head live (``Layout``)."""
+    eager_only: str | None = None
+    """Why the family's attention is eager whatever its options (GPT-OSS's attention sinks), or None."""
+    own_attention: str | None = None
+    """Why its layers call SDPA themselves rather than transformers' attention functions (Falcon), so they take the
+    dense mask and never thinpipe's packed documents; None where they go through the attention functions."""
+    cache_argument: str = "past_key_values"
+    """The keyword a decoder layer takes its KV cache by (GPT-NeoX and Falcon: ``layer_past``)."""
+    layer_arguments: tuple[tuple[str, object], ...] = ()
+    """Further keyword arguments its model passes every layer (Falcon: ``alibi = None`` with rotary embeddings)."""
+    layer_returns_tuple: bool = False
+    """A layer returns (hidden states, attention weights) rather than the hidden states (Falcon)."""
+    experts: bool = False
+    """A mixture of experts: its runs report ``router_aux_loss`` (0 where the family computes none: DeepSeek-V3's
+    bias-balanced router), and ``thinpipe plan`` counts only the active experts' compute."""
 
     # ------------------------------------------------------------------ what a stage asks
+    def needs_eager(self, config) -> str | None:
+        """Why the model must attend eagerly (an option only eager attention honours: Gemma 2's attention soft-cap,
+        GPT-OSS's sinks), or None."""
+        if self.eager_only:
+            return self.eager_only
+        if self.eager_attention_if and getattr(config, self.eager_attention_if, None) is not None:
+            return f"its {self.eager_attention_if}"
+        return None
+
     def packs(self, config) -> bool:
         """Whether a stage may run thinpipe's packed-document attention (``models/packed_attention.py``, SDPA
-        underneath): False where an option only eager attention honours is set (Gemma 2's attention soft-cap)."""
-        return not (self.eager_attention_if and getattr(config, self.eager_attention_if, None) is not None)
+        underneath): False where only eager attention is exact (``needs_eager``) or the layers call SDPA themselves."""
+        return self.needs_eager(config) is None and self.own_attention is None
+
+    def why_not_packed(self, config) -> str:
+        """One phrase for the line that says a stage takes the dense mask."""
+        eager = self.needs_eager(config)
+        return f"runs eager attention ({eager})" if eager else f"runs its own attention ({self.own_attention})"
 
     def attn_implementation(self, config) -> str:
-        """What the model is built with: ``sdpa`` where the family packs and its transformers class has an SDPA path,
-        else ``eager`` (transformers refuses ``sdpa`` for a class without one: Gemma 2's, even with its soft-cap
-        off; its stages still pack, ``packs``)."""
-        if not self.packs(config):
+        """What the model is built with: ``sdpa`` unless only eager attention is exact or its transformers class has no
+        SDPA path (transformers refuses ``sdpa`` for it: Gemma 2's, even with its soft-cap off; its stages still
+        pack, ``packs``)."""
+        if self.needs_eager(config):
             return "eager"
         cls = AutoModelForCausalLM._model_mapping.get(type(config), None)
         return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
+
+    def stage_attention(self, config, packed: str) -> str:
+        """The attention implementation a stage's layers read from their config: ``packed`` (thinpipe's packed
+        documents, SDPA underneath) where the family packs, else what the model is built with."""
+        return packed if self.packs(config) else self.attn_implementation(config)
 
     def layer_types(self, config) -> list[str]:
         """Each decoder layer's attention kind, "full_attention" or "sliding_attention"."""
@@ -116,19 +190,22 @@ def _gemma3_refuse(config) -> str | None:
     return None
 
 
-def _moe_refuse(config) -> str | None:
-    if getattr(config, "output_router_logits", False):
-        return ("output_router_logits = true adds the router's load-balancing loss to the training loss, which "
-                "thinpipe's stages do not compute: set it to false in the model's config.json")
+def _falcon_refuse(config) -> str | None:
+    if getattr(config, "alibi", False):
+        return ("alibi = true: its ALiBi bias rides on the attention mask the model's forward builds for the whole "
+                "batch, which a stage's per-document masks do not carry (docs/models.md)")
     return None
 
 
+# A mixture of experts' default LoRA targets: its experts are fused 3-d tensors, not nn.Linear (peft's target_modules
+# names Linear layers), so the attention, and a shared expert's MLP or dense layers where it has them; never a router
+# gate (ROUTER_GATES: an adapter there would move the routing, which peft's MoE recipes leave frozen).
+_MOE_LORA = ("q_proj", "k_proj", "v_proj", "o_proj")
+ROUTER_GATES = ("router", "shared_expert_gate")
 _FAMILIES = [
     Family("llama"),
     Family("qwen2", attention=ATTENTION_FROM_LAYER_TYPES),
     Family("qwen3", attention=ATTENTION_FROM_LAYER_TYPES),
-    Family("qwen3_moe", attention=ATTENTION_ALL_SLIDING, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-           refuse=_moe_refuse),
     Family("mistral", attention=ATTENTION_ALL_SLIDING),
     Family("ministral", attention=ATTENTION_FROM_LAYER_TYPES),
     Family("gemma"),
@@ -138,9 +215,24 @@ _FAMILIES = [
            logit_softcap="final_logit_softcapping", eager_attention_if="attn_logit_softcapping",
            refuse=_gemma3_refuse),
     Family("phi3", attention=ATTENTION_ALL_SLIDING, lora_targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj")),
+    Family("phi", layout=Layout(norm="final_layernorm"),
+           lora_targets=("q_proj", "k_proj", "v_proj", "dense", "fc1", "fc2")),
+    Family("gpt_neox", layout=Layout(decoder="gpt_neox", embed="embed_in", norm="final_layer_norm"),
+           cache_argument="layer_past", lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
+    Family("falcon", layout=Layout(decoder="transformer", embed="word_embeddings", layers="h", norm="ln_f"),
+           own_attention="its layers call SDPA with the dense mask themselves", cache_argument="layer_past",
+           layer_arguments=(("alibi", None),), layer_returns_tuple=True, refuse=_falcon_refuse,
+           lora_targets=("query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h")),
     Family("olmo"),
     Family("olmo2"),
+    Family("olmo3", attention=ATTENTION_FROM_LAYER_TYPES, rotary_per_layer_type=True),
     Family("stablelm"),
+    Family("starcoder2", attention=ATTENTION_ALL_SLIDING, lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "c_fc",
+                                                                        "c_proj")),
+    Family("nemotron", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")),
+    Family("helium"),
+    Family("internlm3"),
+    Family("ernie4_5"),
     Family("smollm3", attention=ATTENTION_FROM_LAYER_TYPES),
     Family("glm", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
     Family("glm4", lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_up_proj", "down_proj")),
@@ -152,18 +244,35 @@ _FAMILIES = [
     Family("granite", embedding_multiplier="embedding_multiplier", logit_divisor="logits_scaling"),
     Family("cohere", logit_multiplier="logit_scale"),
     Family("cohere2", attention=ATTENTION_FROM_LAYER_TYPES, logit_multiplier="logit_scale"),
+    # mixtures of experts (models/router_loss.py: the load-balancing loss of each stage's routers)
+    Family("qwen3_moe", attention=ATTENTION_ALL_SLIDING, lora_targets=_MOE_LORA, experts=True),
+    Family("mixtral", attention=ATTENTION_ALL_SLIDING, lora_targets=_MOE_LORA, experts=True),
+    Family("qwen2_moe", attention=ATTENTION_FROM_LAYER_TYPES, experts=True,
+           lora_targets=(*_MOE_LORA, "gate_proj", "up_proj", "down_proj")),  # its shared expert's MLP
+    Family("olmoe", lora_targets=_MOE_LORA, experts=True),
+    Family("granitemoe", embedding_multiplier="embedding_multiplier", logit_divisor="logits_scaling",
+           lora_targets=_MOE_LORA, experts=True),
+    Family("phimoe", attention=ATTENTION_ALL_SLIDING, lora_targets=_MOE_LORA, experts=True),
+    Family("gpt_oss", attention=ATTENTION_FROM_LAYER_TYPES, eager_only="its attention sinks", lora_targets=_MOE_LORA,
+           experts=True),
+    Family("deepseek_v3", experts=True, lora_targets=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                      "o_proj", "gate_proj", "up_proj", "down_proj")),
 ]
 FAMILIES: dict[str, Family] = {f.model_type: f for f in _FAMILIES}
 
-# Families thinpipe refuses, and why: their layout is not ``model.embed_tokens / model.layers / model.norm``.
+# Families thinpipe refuses, and why (docs/models.md says more).
+_HYBRID = ("a hybrid of attention and state-space layers: their recurrent state is a cache of another kind, which a "
+           "stage's KV-cached generation does not carry yet")
 REFUSED: dict[str, str] = {
-    "gpt_neox": "its decoder is gpt_neox.layers with a parallel attention/MLP block and no model.model",
-    "falcon": "its decoder is transformer.h (no model.model) with alibi or parallel attention variants",
-    "phi": "its final norm is final_layernorm and its block runs attention and MLP in parallel",
+    "falcon_h1": _HYBRID,
+    "lfm2": _HYBRID,
+    "jamba": _HYBRID,
+    "gpt2": "learned absolute position embeddings (wpe) are added to the token embeddings outside the layers, and its "
+            "projections are Conv1D, not Linear: use a rotary family",
 }
 
 # A GGUF file names its architecture the llama.cpp way; the Hugging Face model_type it loads as.
-GGUF_ARCHITECTURES = {"gemma3": "gemma3_text"}
+GGUF_ARCHITECTURES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
 def supported() -> str:

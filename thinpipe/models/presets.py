@@ -4,7 +4,8 @@
 the byte-level tokenizer. ``small-llama`` (hidden 128, 8 layers, 1.7 M parameters, same tokenizer)
 is the from-scratch pretraining model of the MAPL experiments: the largest that trains hundreds of
 steps per arm in minutes on two CPU cores. ``tiny-llama`` unties its embeddings, ``tiny-qwen2`` ties them (as
-Qwen2-0.5B does) so that both weight layouts are exercised by the equivalence tests.
+Qwen2-0.5B does) so that both weight layouts are exercised by the equivalence tests; ``tiny-mixtral`` is a mixture
+of experts (4 experts, 2 per token) trained with its router loss (``output_router_logits``, coefficient 0.02).
 
 ``llama-150m``, ``llama-500m``, ``llama-1b`` are the MAPL paper's model scales (App. E.1: LLaMA-2 architecture,
 context 2048, vocabulary 32,000, untied embeddings), random init, each parameter drawn from a generator of its
@@ -15,7 +16,7 @@ They use a 32k byte-level BPE trained on the built-in corpora (``data/bpe_tokeni
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MixtralConfig, Qwen2Config
 
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +33,9 @@ def tiny_config(family: str):
         return LlamaConfig(tie_word_embeddings=False, **common)
     if family == "qwen2":
         return Qwen2Config(tie_word_embeddings=True, **common)
+    if family == "mixtral":
+        return MixtralConfig(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2,
+                             output_router_logits=True, router_aux_loss_coef=0.02, **common)
     raise ValueError(family)
 
 
@@ -49,4 +53,4 @@ def scale_config(name: str, vocab_size: int = SCALE_VOCAB) -> LlamaConfig:
                        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.02)
 
 
-PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "small-llama", *SCALES)
+PRESETS = ("smollm2-135m", "tiny-llama", "tiny-qwen2", "tiny-mixtral", "small-llama", *SCALES)

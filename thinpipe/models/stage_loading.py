@@ -31,9 +31,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from thinpipe.config import ConfigError
-from thinpipe.models.families import family_of
+from thinpipe.models.families import Layout, family_of
 from thinpipe.models.lora import adapter_init, apply_lora
-from thinpipe.models.stages import Stage, build_stages, hf_name
+from thinpipe.models.stages import Stage, build_stages
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,13 +57,13 @@ def tensor_files(folder: Path) -> dict[str, Path]:
         return {name: single for name in f.keys()}
 
 
-def source_name(name: str, files: dict[str, Path], tied: bool) -> str | None:
+def source_name(name: str, files: dict[str, Path], tied: bool, layout: Layout) -> str | None:
     """The checkpoint tensor a Hugging Face parameter name is read from: peft's ``base_layer``
     wrapper is not in the checkpoint, and a tied head is stored as the embedding (SmolLM2, Qwen2
     store no ``lm_head.weight``). None: the checkpoint lacks it."""
     name = name.replace(".base_layer.", ".")
-    if name not in files and tied and name == "lm_head.weight":
-        name = "model.embed_tokens.weight"
+    if name not in files and tied and name == layout.head_weight:
+        name = layout.embedding_weight
     return name if name in files else None
 
 
@@ -87,7 +87,7 @@ def materialize(stage: Stage, base_value, seed: int) -> None:
     meta: dict[int, tuple[nn.Parameter, str]] = {}
     for name, p in stage.named_parameters(remove_duplicate=False):
         if p.is_meta and id(p) not in meta:
-            meta[id(p)] = (p, hf_name(name))
+            meta[id(p)] = (p, stage.hf_name(name))
     real: dict[int, nn.Parameter] = {}
     for key, (p, name) in meta.items():
         value = (adapter_init(name, p.shape, p.dtype, seed) if "lora_" in name else
@@ -105,13 +105,14 @@ def materialize(stage: Stage, base_value, seed: int) -> None:
 class FolderValues:
     """``materialize``'s base weights read from a Hugging Face folder's safetensors files (each opened once)."""
 
-    def __init__(self, folder: Path, tied: bool, stack: ExitStack, stage: int):
+    def __init__(self, folder: Path, tied: bool, stack: ExitStack, stage: int, layout: Layout):
         self.folder, self.files, self.tied, self.stack = Path(folder), tensor_files(Path(folder)), tied, stack
+        self.layout = layout
         self.stage = stage
         self.opened: dict[Path, object] = {}
 
     def __call__(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        source = source_name(name, self.files, self.tied)
+        source = source_name(name, self.files, self.tied, self.layout)
         if source is None:
             raise ConfigError(f"model folder {self.folder} has no tensor {name!r}, which stage {self.stage} needs")
         file = self.files[source]
@@ -133,7 +134,8 @@ def stage_from_folder(folder: Path, index: int, split: list[int] | None, num_sta
     skeleton = apply_lora(empty_model(config), lora, seed)
     stages = build_stages(skeleton, split, num_stages)  # a deep copy of meta tensors: no memory
     with ExitStack() as stack:
-        materialize(stages[index], FolderValues(folder, bool(config.tie_word_embeddings), stack, index), seed)
+        materialize(stages[index], FolderValues(folder, bool(config.tie_word_embeddings), stack, index,
+                                                family_of(config).layout), seed)
     return stages
 
 
@@ -148,7 +150,7 @@ class ModelOnDisk:
 
     def get_input_embeddings(self) -> nn.Embedding:
         if self._embedding is None:
-            name = "model.embed_tokens.weight"
+            name = family_of(self.config).layout.embedding_weight
             files = tensor_files(self.folder)
             if name not in files:
                 raise ConfigError(f"model folder {self.folder} has no tensor {name!r}, which the boundary needs")

@@ -28,6 +28,7 @@ from thinpipe.console import say
 from thinpipe.models.families import Family, additive_mask, family_of, sliding_window_mask
 from thinpipe.models.heap import release_freed_heap
 from thinpipe.models.packed_attention import ATTENTION, Documents, register
+from thinpipe.models.router_loss import RouterLoss, attach
 
 
 def balanced_split(num_layers: int, num_stages: int) -> list[int]:
@@ -116,7 +117,7 @@ class Stage(nn.Module):
 
     def __init__(self, index: int, num_stages: int, first_layer: int, layers: list[nn.Module], rotary: nn.Module,
                  embed_tokens: nn.Module | None, norm: nn.Module | None, lm_head: nn.Module | None,
-                 family: Family, config):
+                 family: Family, config, router: RouterLoss | None = None):
         super().__init__()
         self.index, self.num_stages, self.first_layer = index, num_stages, first_layer
         self.layers = nn.ModuleDict({str(first_layer + i): layer for i, layer in enumerate(layers)})
@@ -130,6 +131,9 @@ class Stage(nn.Module):
         self.rotary_emb = rotary
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
+        # a mixture of experts' load-balancing loss over this stage's routers (models/router_loss.py); the sum of its
+        # values since the engine last read it (``take_router_aux``), weighted by each microbatch's token share
+        self.router, self._router_aux = router, 0.0
         # Parameters of the boundaries this stage owns (a MAPL projector, a MAPL stage offset, the SSN
         # basis): they train, sync and checkpoint with the stage but are not part of the HF model.
         self.boundary_modules = nn.ModuleDict()
@@ -159,28 +163,61 @@ class Stage(nn.Module):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """x: token ids (B, T) on stage 0, else hidden states (B, T, H).
         Returns hidden states (B, T, H), or on the last stage the scaled loss (a scalar)."""
-        h = self.hidden_states(x, ctx)
-        if not self.is_last:
-            return h
+        aux = []
+        h = self.hidden_states(x, ctx, router_aux=aux)
+        if self.is_last:
+            h = self.loss(h, ctx)
+        if aux:  # this stage's router loss: into the backward, not into what it returns
+            h = attach(h, aux[0])
+        return h
+
+    def loss(self, h: torch.Tensor, ctx) -> torch.Tensor:
+        """Last stage: the objective's loss of the hidden states, scaled by ``ctx.loss_scale``."""
         if getattr(ctx, "loss_fn", None) is not None:  # an objective after SFT (thinpipe/objective/)
             return ctx.loss_fn(self.logits(h).float(), ctx)
         if self.loss_chunk_tokens and h.shape[0] * h.shape[1] > self.loss_chunk_tokens:
             return chunked_next_token_loss(h, ctx.labels, self.logits, self.loss_chunk_tokens) * ctx.loss_scale
         return next_token_loss(self.logits(h).float(), ctx.labels) * ctx.loss_scale
 
-    def hidden_states(self, x: torch.Tensor, ctx, cache=None) -> torch.Tensor:
+    def take_router_aux(self) -> float:
+        """The router loss's values since the last call (each microbatch's weighted by its share of the step's loss
+        tokens: one step's sum is the step's value), and start again."""
+        value, self._router_aux = self._router_aux, 0.0
+        return value
+
+    def hidden_states(self, x: torch.Tensor, ctx, cache=None, router_aux: list | None = None) -> torch.Tensor:
         """(embed?) -> this stage's layers: hidden states (B, T, H).
 
         ``cache``: the keys and values of this stage's layers so far (incremental decoding,
         ``rank/generation.py``), which Hugging Face attention extends by each layer's own ``layer_idx``
         (the global layer number, so one stage's cache holds its layers alone); ``ctx.attn_mask`` is
-        then (B, 1, T, cached + T) and ``ctx.position_ids`` the new tokens' positions."""
+        then (B, 1, T, cached + T) and ``ctx.position_ids`` the new tokens' positions.
+
+        ``router_aux``: a list to append this stage's router loss term to (a training forward of a mixture of experts,
+        ``models/router_loss.py``), already multiplied by ``router_aux_loss_coef`` and the microbatch's token share."""
+        router = self.router if router_aux is not None and cache is None and torch.is_grad_enabled() else None
+        if router is None:
+            return self._layers(x, ctx, cache)
+        with router.capture(self.layers.values()) as captured:
+            h = self._layers(x, ctx, cache)
+        docs = ctx.attn_mask if isinstance(ctx.attn_mask, Documents) else None
+        aux = captured.loss(None if docs is None or docs.segment_ids is None else docs.segment_ids < 0)
+        if aux is not None:
+            share = float((ctx.labels[:, 1:] != -100).sum()) * ctx.loss_scale
+            self._router_aux += float(aux.detach()) * share
+            if router.train:
+                router_aux.append(aux * (router.coef * share))
+        return h
+
+    def _layers(self, x: torch.Tensor, ctx, cache) -> torch.Tensor:
         h = self.embed_tokens(x) if self.is_first else x
         if self.embed_scale is not None:
             h = h * self.embed_scale
         pos = self.position_embeddings(h, ctx.position_ids)
         masks = self.layer_masks(ctx.attn_mask)
-        kv = {} if cache is None else {"past_key_values": cache}  # without a cache: the call training makes
+        kv = dict(self.family.layer_arguments)  # (Falcon's alibi = None), and the cache where there is one
+        if cache is not None:
+            kv[self.family.cache_argument] = cache
         recompute = self.checkpoint_layers and cache is None and torch.is_grad_enabled()
         trim = self.trim_heap and h.device.type == "cpu" and h.numel() * h.element_size() >= TRIM_MIN_BYTES
         for layer, kind, window in zip(self.layers.values(), self.layer_types, self.windows):
@@ -188,10 +225,12 @@ class Stage(nn.Module):
                 h.register_hook(_trim_after_backward)
             if recompute:  # only the layer's input is kept; its activations are recomputed in the backward
                 h = checkpoint(layer, h, use_reentrant=False, attention_mask=masks[window],
-                               position_ids=ctx.position_ids, position_embeddings=pos[kind])
+                               position_ids=ctx.position_ids, position_embeddings=pos[kind], **kv)
             else:
                 h = layer(h, attention_mask=masks[window], position_ids=ctx.position_ids,
                           position_embeddings=pos[kind], **kv)
+            if self.family.layer_returns_tuple:  # (hidden states, attention weights)
+                h = h[0]
             if trim:  # the layer's freed temporaries: back to the system
                 release_freed_heap()
         return h
@@ -211,8 +250,8 @@ class Stage(nn.Module):
             if self.packed_attention and self.model_config._attn_implementation == ATTENTION:
                 return {window: mask.with_window(window) for window in dict.fromkeys(self.windows)}
             if self.packed_attention:
-                _say_once(f"[thinpipe] {self.family.model_type} runs eager attention (its attention soft-cap): packed "
-                          "documents take the dense T x T mask")
+                _say_once(f"[thinpipe] {self.family.model_type} {self.family.why_not_packed(self.model_config)}: "
+                          "packed documents take the dense T x T mask")
             mask = mask.dense()
         out = {}
         for window in dict.fromkeys(self.windows):
@@ -230,8 +269,12 @@ class Stage(nn.Module):
         for name, t in self.state_dict().items():
             if name.startswith(("rotary_emb.", "boundary_modules.")):
                 continue
-            out[hf_name(name)] = t
+            out[self.hf_name(name)] = t
         return out
+
+    def hf_name(self, stage_name: str) -> str:
+        """A parameter's name here -> its name in the Hugging Face model (the family's ``Layout``)."""
+        return self.family.layout.hf_name(stage_name)
 
 
 def _trim_after_backward(grad: torch.Tensor) -> torch.Tensor:
@@ -250,12 +293,6 @@ def _say_once(line: str) -> None:
         say(line)
 
 
-def hf_name(stage_name: str) -> str:
-    """A stage's parameter name -> its name in the Hugging Face model (stages keep the inner
-    model's names: ``layers.3.mlp.up_proj.weight`` is ``model.layers.3.mlp.up_proj.weight``)."""
-    return stage_name if stage_name.startswith("lm_head.") else f"model.{stage_name}"
-
-
 def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> list[Stage]:
     """Deep-copy ``model`` once and carve it into stages (a fresh, independent set of modules)."""
     model = copy.deepcopy(model)
@@ -264,26 +301,29 @@ def build_stages(model: nn.Module, split: list[int] | None, num_stages: int) -> 
     # layers read it from their config at every call
     # (thinpipe's packed-document attention where it would be SDPA: it hands every other mask to SDPA unchanged)
     register()
-    model.config._attn_implementation = ATTENTION if family.packs(model.config) else "eager"
-    inner = model.model
-    layers = list(inner.layers)
+    model.config._attn_implementation = family.stage_attention(model.config, ATTENTION)
+    names = family.layout
+    inner = getattr(model, names.decoder)
+    layers = list(getattr(inner, names.layers))
+    embed, norm, lm_head = getattr(inner, names.embed), getattr(inner, names.norm), getattr(model, names.head)
+    router = RouterLoss.of_model(model)
     split = list(split) if split else balanced_split(len(layers), num_stages)
     if sum(split) != len(layers):
         raise ConfigError(f"mesh.split = {split} covers {sum(split)} layers but the model has {len(layers)}")
     stages, start = [], 0
     for s, n in enumerate(split):
         first, last = s == 0, s == num_stages - 1
-        head = model.lm_head if last else None
+        head = lm_head if last else None
         if last and first is False and model.config.tie_word_embeddings:
             # Separate copy of the tied matrix on the last stage (one code path for sim and dist:
             # in a real mesh the two ends live in different processes).
-            head = copy.deepcopy(model.lm_head)
-            head.weight = nn.Parameter(model.lm_head.weight.detach().clone(),
-                                       requires_grad=model.lm_head.weight.requires_grad)  # frozen under LoRA
+            head = copy.deepcopy(lm_head)
+            head.weight = nn.Parameter(lm_head.weight.detach().clone(),
+                                       requires_grad=lm_head.weight.requires_grad)  # frozen under LoRA
         stages.append(Stage(s, num_stages, start, layers[start:start + n],
                             copy.deepcopy(inner.rotary_emb) if s else inner.rotary_emb,
-                            inner.embed_tokens if first else None, inner.norm if last else None, head,
-                            family, model.config))
+                            embed if first else None, norm if last else None, head,
+                            family, model.config, router))
         stages[-1].tied_embeddings = bool(model.config.tie_word_embeddings)
         start += n
     return stages
@@ -312,14 +352,16 @@ def merge_state(template: nn.Module, state: dict[str, torch.Tensor], in_place: b
     themselves (``assign``: no second copy of the model); a tied head is tied again to the assigned embedding."""
     model = template if in_place else copy.deepcopy(template)
     assign = any(p.is_meta for p in model.parameters())
-    if model.config.tie_word_embeddings and "lm_head.weight" in state and "model.embed_tokens.weight" in state:
-        if not torch.equal(state["lm_head.weight"], state["model.embed_tokens.weight"]):
+    names = family_of(model.config).layout
+    head_w, embed_w = names.head_weight, names.embedding_weight
+    if model.config.tie_word_embeddings and head_w in state and embed_w in state:
+        if not torch.equal(state[head_w], state[embed_w]):
             model.config.tie_word_embeddings = False
-            model.lm_head.weight = nn.Parameter(state["lm_head.weight"].clone())
+            getattr(model, names.head).weight = nn.Parameter(state[head_w].clone())
         elif assign:  # the head is the embedding: assigning both would untie them
-            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+            state = {k: v for k, v in state.items() if k != head_w}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=assign)
-    missing = [m for m in missing if not (m == "lm_head.weight" and model.config.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == head_w and model.config.tie_word_embeddings)]
     if missing or unexpected:
         raise RuntimeError(f"stage weights do not cover the model: missing {missing}, unexpected {unexpected}")
     if assign:

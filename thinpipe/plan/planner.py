@@ -29,22 +29,40 @@ from thinpipe.plan.memory import predict as predict_memory
 
 @dataclass(frozen=True)
 class Architecture:
-    """What the planner needs of a model (decoder-only, Llama-style)."""
+    """What the planner needs of a model (decoder-only, Llama-style; a mixture of experts where ``experts`` > 0)."""
     params: float
     layers: int
     hidden: int
     intermediate: int
+    """The MLP width one token computes through: a dense model's, or a MoE's active experts' together."""
     heads: int
     kv_heads: int
     vocab: int
     tied: bool
+    experts: int = 0
+    """Routed experts per layer (0: dense). Each is a gate/up/down MLP of ``intermediate / active_experts``."""
+    active_experts: int = 0
+    """Experts each token is routed to (``num_experts_per_tok``): only they compute."""
 
     def layer_matrices(self) -> dict[str, tuple[int, int]]:
-        """One decoder layer's weight matrices, (rows, cols) by module name."""
+        """One decoder layer's weight matrices, (rows, cols) by module name (a MoE's experts as one fused matrix per
+        projection, as transformers holds them, and its router)."""
         h, kv = self.hidden, self.hidden * self.kv_heads // self.heads
-        return {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
-                "gate_proj": (self.intermediate, h), "up_proj": (self.intermediate, h),
-                "down_proj": (h, self.intermediate)}
+        width = self.intermediate // self.active_experts * self.experts if self.experts else self.intermediate
+        out = {"q_proj": (h, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, h),
+               "gate_proj": (width, h), "up_proj": (width, h), "down_proj": (h, width)}
+        if self.experts:
+            out["router"] = (self.experts, h)
+        return out
+
+    @property
+    def active_params(self) -> float:
+        """Parameters one token computes with: all of a dense model's; a MoE's without its idle experts (the compute
+        the closed form counts, 6 x active parameters x tokens)."""
+        if not self.experts:
+            return self.params
+        idle = 3 * self.hidden * self.intermediate // self.active_experts * (self.experts - self.active_experts)
+        return self.params - self.layers * idle
 
     def matrices(self) -> list[tuple[int, int]]:
         """Every weight matrix's (rows, cols): per layer q, k, v, o, gate, up, down; the embeddings."""
@@ -75,6 +93,10 @@ ARCHITECTURES = {
     "llama-150m": Architecture(177_622_016, 9, 1024, 2688, 8, 8, 32000, False),
     "llama-500m": Architecture(607_968_768, 18, 1536, 4096, 12, 12, 32000, False),
     "llama-1b": Architecture(1_135_167_488, 20, 2048, 5440, 16, 16, 32000, False),
+    # a mixture of experts (OLMoE-1B-7B's config.json: 64 experts of width 1024, 8 per token): 6.92e9 parameters,
+    # 1.28e9 active
+    "olmoe-1b-7b": Architecture(6_919_161_856, 16, 2048, 8 * 1024, 16, 16, 50304, False, experts=64,
+                                active_experts=8),
 }
 
 
@@ -160,7 +182,7 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     # the DP scheme describes its own exchange (dp/kinds.py): bytes over dense, steps per exchange
     scheme = describe(d.kind)
     rho_dp, tau = scheme.wire_ratio(d, arch.trained_matrices(t.lora)), scheme.sync_interval(d)
-    t_compute = cf.t_compute_s(N, S, K, device.peak_flops, device.mfu)
+    t_compute = cf.t_compute_s(arch.active_params, S, K, device.peak_flops, device.mfu)  # a MoE: active experts
     t_pp = cf.t_pp_s(K, S, H, b_act, rho_act, B_pp)
     t_dp = cf.t_dp_s(D, N_train, b, rho_dp, tau, B_dp)
     serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
@@ -180,7 +202,8 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
         "device_source": device.source, "device_flops": device.peak_flops * device.mfu,
-        "model": cfg.model.name, "params": N, "trained_params": N_train, "stages": K, "fast_replicas": D,
+        "model": cfg.model.name, "params": N, "active_params": arch.active_params, "trained_params": N_train,
+        "stages": K, "fast_replicas": D,
         "tokens_per_replica_step": S,
         "rho_act": rho_act, "rho_dp": rho_dp, "tau": tau,
         "t_compute_s": t_compute, "t_pp_s": t_pp, "t_dp_s": t_dp,

@@ -61,6 +61,7 @@ class StageRank:
         self.tied_param = self._tied_param()
         self._refresh_total: Payload | None = None  # stage 0, during a refresh: the summed contributions
         self.last_grad_norm = 0.0
+        self.router_aux = 0.0  # this stage's router loss in the last step's schedule (models/router_loss.py)
 
     def trained(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(name, parameter) of what trains: a DP scheme's global copy and outer syncs cover only these
@@ -93,10 +94,12 @@ class StageRank:
         """Before this step's forward."""
         if self.stage_state is not None:
             self.stage_state.before_step(step)
+        self.stage.take_router_aux()  # forwards since the last schedule (an anchor cycle's) are not this step's
 
     def phases(self, step: int, lr: float, prior_grads: list[dict], mix: float) -> list[Generator]:
         """This rank's phases of step ``step`` after its pipeline schedule, in order (module docstring).
         An engine runs the i-th phase of every rank before any rank's (i+1)-th."""
+        self.router_aux = self.stage.take_router_aux()  # the schedule's, before any anchor forward
         return [self.exchange_boundary_grads(), self.dp_sync(step), self.tied_sync(),
                 self.clip_and_step(lr, prior_grads, mix), self.outer_steps(step), self.broadcast_boundary_params(),
                 self.refresh_up(step), self.refresh_average(step), self.refresh_down(step)]

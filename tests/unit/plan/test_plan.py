@@ -559,3 +559,21 @@ def test_the_planner_knows_the_scale_presets_as_they_are_built(name):
     assert arch.params == sum(p.numel() for p in model.parameters())
     assert main(["plan", "--set", f"model.name={name}", "--set", "mesh.pp=4", "--set", "link.pp_mbps=200",
                  "--json"]) == 0
+
+
+def test_a_mixture_of_experts_computes_with_its_active_experts_only():
+    """OLMoE-1B-7B: 6.92e9 parameters of which 1.28e9 compute per token (8 of 64 experts); the step's compute is
+    6 x active parameters x tokens (issue 53), while DP still carries every parameter."""
+    from thinpipe.plan.planner import ARCHITECTURES
+
+    arch = ARCHITECTURES["olmoe-1b-7b"]
+    per_layer = sum(r * c for r, c in arch.layer_matrices().values())
+    assert per_layer * arch.layers + 2 * arch.vocab * arch.hidden == pytest.approx(arch.params, rel=1e-4)
+    assert arch.active_params == pytest.approx(1.282e9, rel=1e-3)
+    cfg = load_config(None, ["model.name=olmoe-1b-7b", "mesh.pp=4", "mesh.dp=2", "link.pp_mbps=200",
+                             "link.dp_mbps=200", "train.seq_len=512"])
+    out = plan(cfg, DEVICES["a100-40gb"])
+    device = DEVICES["a100-40gb"]
+    S = cfg.train.batch_size * cfg.train.seq_len
+    assert out["t_compute_s"] == pytest.approx(cf.t_compute_s(arch.active_params, S, 4, device.peak_flops, device.mfu))
+    assert out["params"] == arch.params and out["active_params"] == arch.active_params
