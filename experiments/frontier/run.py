@@ -119,6 +119,9 @@ ARMS = {
     # model entropy per dim (scored / context tokens), a token-sparse 1-bit backward (T = kept share)
     **{f"KLTd {lb:g}-{cb:g}b-1b T{round(t * 100)}": kltd(lb, cb, t) for lb, cb, t in ((3.2, 2, 0.5), (3.5, 2, 0.5))},
     "KLTe 3.2-2b-1b T50": kltd(3.2, 2.0, 0.5, dither=False),  # plain ECSQ: the same coder, no dither
+    # KLTe's three seeds: +0.61 / +1.50 / +1.71%; more forward bits (the probe's forward cosine picks among them)
+    **{f"KLTe {lb:g}-{cb:g}b-1b T{round(t * 100)}": kltd(lb, cb, t, dither=False) for lb, cb, t in
+       ((3.5, 2, 0.5), (4, 2, 0.5), (4, 3, 0.5), (4.5, 3, 0.5))},
 }
 
 
