@@ -76,7 +76,8 @@ def engine_step(engine, step: int) -> float | None:
 
 # fields two equal runs may differ in: wall clock, the engine's name, and whether the checkout had edits when each
 # process first asked (thinpipe/provenance.py: a test's processes start at different times)
-WALL_CLOCK = {"wall_s", "tokens_per_s", "anchor_wait_s", "engine", "dirty"}
+WALL_CLOCK = {"wall_s", "tokens_per_s", "anchor_wait_s", "engine", "dirty",
+              "slowest_rank", "slowest_link"}  # where the time went (ranks.jsonl): measured, not computed
 
 
 def run_files(folder) -> tuple[list[dict], dict]:

@@ -26,6 +26,7 @@ from thinpipe.commands import (
     probe,
     prune,
     recipes,
+    top,
     train,
 )
 from thinpipe.commands.common import EXIT_DIVERGED, EXIT_USAGE, Parser
@@ -38,8 +39,8 @@ from thinpipe.plugins import PluginError, load_plugins
 __all__ = ["COMMANDS", "EXIT_DIVERGED", "EXIT_USAGE", "Parser", "build_parser", "main"]
 
 # in the order of `thinpipe --help`
-COMMANDS = [train, launch, plan, bench, evaluate, generate, export, prune, analyze, probe, compare, recipes, keygen,
-            demo]
+COMMANDS = [train, launch, plan, bench, top, evaluate, generate, export, prune, analyze, probe, compare, recipes,
+            keygen, demo]
 
 
 def build_parser() -> Parser:

@@ -14,6 +14,7 @@ docs/reliability.md lists them beside the tests that use them.
 | ``THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE=N`` | SIGKILL half-way through writing the set of step N |
 | ``THINPIPE_ELASTIC_KILL=r:s:N`` | the elastic rank (replica r, stage s) SIGKILLs itself mid-step N |
 | ``THINPIPE_BENCH_WHOLE_MODEL=1`` | a dist rank loads the whole model first (benchmarks/stage_memory.py's "before") |
+| ``THINPIPE_SLOW_RANK=r:factor`` | global rank r computes ``factor`` times as long (``rank/timing.py``) |
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ NAN_AT_STEP = "THINPIPE_TEST_NAN_AT_STEP"
 KILL_IN_CHECKPOINT_WRITE = "THINPIPE_TEST_KILL_IN_CHECKPOINT_WRITE"
 ELASTIC_KILL = "THINPIPE_ELASTIC_KILL"
 BENCH_WHOLE_MODEL = "THINPIPE_BENCH_WHOLE_MODEL"
+SLOW_RANK = "THINPIPE_SLOW_RANK"
 
 
 def _step(name: str) -> int:
@@ -74,3 +76,19 @@ def elastic_kill_step(replica: int, stage: int) -> int:
 
 def bench_whole_model() -> bool:
     return os.environ.get(BENCH_WHOLE_MODEL) == "1"
+
+
+def slow_factor(rank: int) -> float:
+    """``THINPIPE_SLOW_RANK=r:factor``'s factor for global rank ``rank`` (1.0: not this rank, or unset)."""
+    value = os.environ.get(SLOW_RANK, "").strip()
+    if not value:
+        return 1.0
+    r, _, factor = value.partition(":")
+    try:
+        which, f = int(r), float(factor)
+    except ValueError:
+        which, f = -1, 0.0
+    if which < 0 or not f >= 1.0:
+        raise ConfigError(f"${SLOW_RANK} = {value!r}: give rank:factor with factor >= 1, e.g. 2:3 (a test-only "
+                          "variable: unset it)")
+    return f if which == rank else 1.0

@@ -49,7 +49,7 @@ IMPLEMENTATIONS = {
 
 def test_the_interfaces_are_what_the_loop_and_the_objectives_call():
     assert methods(Engine) == ["residual_start", "before_step", "commit_step", "tokens_seen", "grad_norm",
-                               "router_aux_loss",
+                               "rank_rows", "router_aux_loss",
                                "bytes_total", "captured_energy", "diagnostics", "weights_finite", "save", "load",
                                "finish", "write_model", "summary_extras"]
     assert attributes(Engine) == ["lead", "world_size", "objective"]

@@ -34,6 +34,12 @@ CASES = {
                                                    "--set", "eval.tasks=[\"arc_easy\"]", "--set", "eval.limit=4"]),
     # a mixture of experts trained with each stage's router loss (models/router_loss.py): router_aux_loss in every
     # row, equal field for field (issue 53)
+    # issue 54: a codec per boundary and a link per boundary (the second 10x slower: named the slowest link)
+    "two kinds and a slower link, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3",
+                                                  "--set", "boundary.kinds=[quant4, outlier]",
+                                                  "--set", "boundary.quant_group=16",
+                                                  "--set", "boundary.outlier.channels=4",
+                                                  "--set", "link.pp_mbps=[400, 40]"]),
     "tiny Mixtral with its router loss, 2 stages": (2, ["--set", "model.name=tiny-mixtral", "--set", "mesh.pp=2"]),
     "MAPL-VQ, 3 stages": (3, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=mapl-vq",
                               "--set", "boundary.rank=16", "--set", "boundary.vq_codes=32",
@@ -143,6 +149,11 @@ def test_dist_equals_sim(case, tmp_path, one_thread):
             assert_same_model_folder(dist_out / "model", sim / "model")
     if case == "LoRA + mask + AP + DiLoCo, 2 x 2 + anchor row":
         check_parts_on_two_machines(dist_out, sim, tmp_path)
+    if "slower link" in case:
+        s = json.loads((dist_out / "summary.json").read_text())
+        ranks = [json.loads(x) for x in (dist_out / "ranks.jsonl").read_text().splitlines()]
+        assert len(ranks) == 3 * 3 and s["slowest_link"] == 1, (s["slowest_link"], ranks[-3:])
+        assert all(r["send_mbps"]["1"] < 41 for r in ranks if "1" in r["send_mbps"])
     if "Mixtral" in case:
         rows = [json.loads(x) for x in (dist_out / "metrics.jsonl").read_text().splitlines()]
         assert all(r["router_aux_loss"] > 1.0 for r in rows)  # near top_k = 2 when balanced; 0 would be none

@@ -130,6 +130,8 @@ def test_events_are_appended_one_json_line_each(tmp_path):
     (["launch", "--", "train", "--out", "X"], "thinpipe launch needs --nproc N"),
     (["train", "--out", "X", "--engine", "elastic", "--init-from", "X"],
      "--init-from is not taken by --engine elastic"),
+    (["train", "--out", "X", "--engine", "elastic", "--set", "mesh.dp=2", "--set", "mesh.pp=2", "--set",
+      "mesh.split=auto"], "mesh.split = auto is agreed by the ranks of one world"),
 ])
 def test_bad_elastic_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
@@ -197,6 +199,10 @@ def test_with_no_failure_every_replica_equals_the_dist_run_bitwise(tmp_path, sch
         assert [{k: r.get(k) for k in keys} for r in got] == [{k: r.get(k) for k in keys} for r in want], replica
         s = json.loads((tmp_path / "el" / replica / "summary.json").read_text())
         assert s["engine"] == "elastic" and s["rollbacks"] == 0 and s["tokens"] == 5 * 2 * 2 * 32
+        # where its time went (issue 54): a row per stage rank per step, in the job's rank numbering
+        ranks = rows(tmp_path / "el" / replica / "ranks.jsonl")
+        r = int(replica[-1])
+        assert sorted({(x["rank"], x["stage"]) for x in ranks}) == [(2 * r, 0), (2 * r + 1, 1)] and len(ranks) == 10
     s, sd = (json.loads((p / "summary.json").read_text()) for p in (tmp_path / "el" / "replica0", tmp_path / "dist"))
     assert s["final_val_loss"] == sd["final_val_loss"] and s["val_points"] == sd["val_points"]
     assert s["final_val_acc_arc_easy"] == sd["final_val_acc_arc_easy"]

@@ -43,7 +43,7 @@ class SimAnchorCircuit:
         self.staleness = cfg.anchor.staleness
         self.every = cfg.anchor.every or cfg.anchor.staleness
         # The same parameters train as in the fast circuit (with LoRA: the adapters only).
-        self.stages: list[Stage] = [configure_stage(st, cfg) for st in build_stages(model, m.split or None, m.pp)]
+        self.stages: list[Stage] = [configure_stage(st, cfg) for st in build_stages(model, m.fixed_split, m.pp)]
         hidden = model.config.hidden_size
         boundaries = [Boundary(b, hidden, wire_dtype) for b in range(m.pp - 1)]
         self.workers = [StageWorker(st, replica_tag, boundaries[s - 1] if s else None,

@@ -32,25 +32,27 @@ __all__ = ["AqsgdBoundary", "BottleneckBoundary", "Boundary", "KltBoundary", "Kl
 
 def build_boundaries(cfg, num_stages: int, hidden_size: int, seed: int, wire_dtype: torch.dtype | None,
                      model=None) -> list[Boundary]:
-    """One boundary per stage pair; ``cfg.masked`` selects which get the configured kind (the others
-    are dense). The kind builds them (``BOUNDARY_KINDS``: built-in and plug-in alike).
+    """One boundary per stage pair: boundary b's kind (``cfg.kind_at(b)``: ``boundary.kinds[b]``, else
+    ``boundary.kind``) builds it (``BOUNDARY_KINDS``: built-in and plug-in alike); ``cfg.masked`` selects which get the
+    configured kind (the others are dense).
 
     A kind that ``needs_model`` (ssn, mapl, mapl-vq) takes the vocabulary and token embedding from ``model``;
     call once per replica (each replica owns its copy of the boundary parameters)."""
-    if cfg.kind not in BOUNDARY_KINDS:
-        raise ValueError(f"unknown boundary kind {cfg.kind!r}")
-    spec = BOUNDARY_KINDS[cfg.kind]
-    if spec.needs_model and model is None:
-        raise ValueError(f"boundary.kind = {cfg.kind} needs the model: {spec.needs_model}")
-    shared: dict = {}
+    shared: dict[str, dict] = {}  # what a kind's boundaries share (its own: two kinds never share)
     out: list[Boundary] = []
     for b in range(num_stages - 1):
+        view = cfg.at(b)
+        if view.kind not in BOUNDARY_KINDS:
+            raise ValueError(f"unknown boundary kind {view.kind!r}")
+        spec = BOUNDARY_KINDS[view.kind]
+        if spec.needs_model and model is None:
+            raise ValueError(f"boundary.kind = {view.kind} needs the model: {spec.needs_model}")
         if cfg.masked and b not in cfg.masked:
             out.append(Boundary(b, hidden_size, wire_dtype))
         else:
             try:
-                out.append(spec.build(cfg, b, hidden_size, seed, wire_dtype, model, shared))
+                out.append(spec.build(view, b, hidden_size, seed, wire_dtype, model, shared.setdefault(view.kind, {})))
             except ValueError as e:  # a setting that does not fit the model (known only once it is loaded)
-                raise ConfigError(f"boundary.kind = {cfg.kind} on this model (hidden size {hidden_size}): "
+                raise ConfigError(f"boundary.kind = {view.kind} on this model (hidden size {hidden_size}): "
                                   f"{e}") from None
     return out

@@ -83,21 +83,41 @@ class DistTransport(Transport):
         self.header_bytes = 0
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []  # posted sends and the bytes they hold
         self._lock = threading.Lock()
-        self._sender: DueQueue[tuple[int, int, list[torch.Tensor]]] | None = None
+        self._sender: DueQueue[tuple[int, int, list[torch.Tensor], tuple]] | None = None
+        # per peer over a shaped link: [bytes, seconds on the link, when its last message left]: ``link_rates``
+        self._rates: dict[int, list[float]] = {}
 
     def _post(self, peer: int, ch: int, parts: list[torch.Tensor]) -> None:
         works = [(_posted(dist.isend(part, peer, group=self.group, tag=ch)), part) for part in parts]
         with self._lock:
             self._pending.extend(works)
 
-    def _deliver(self, item: tuple[int, int, list[torch.Tensor]]) -> None:
+    def _deliver(self, item: tuple[int, int, list[torch.Tensor], tuple]) -> None:
         """On the sender thread, at the message's due time."""
-        self._post(*item)
+        peer, ch, parts, (nbytes, handed, latency_s) = item
+        self._post(peer, ch, parts)
         if self.background:
             with self._lock:
                 pending, self._pending = self._pending, []
             for work, _ in pending:
                 work.wait()
+        if nbytes:  # what the link achieved: the message left when it was posted, one latency before its due time
+            left = time.perf_counter() - latency_s
+            with self._lock:
+                r = self._rates.setdefault(peer, [0.0, 0.0, 0.0])
+                r[0] += nbytes
+                r[1] += max(left - max(handed, r[2]), 0.0)
+                r[2] = left
+
+    def link_rates(self) -> dict[int, tuple[float, float]]:
+        """(bytes, seconds) each shaped link to a peer carried since the last call: a message's seconds run from
+        when it was handed over (or the previous message on the link left, if later) to when it left; an unshaped
+        link is absent (its sends are posted at once and complete out of sight: not measured)."""
+        with self._lock:
+            out = {peer: (r[0], r[1]) for peer, r in self._rates.items() if r[0]}
+            for r in self._rates.values():
+                r[0] = r[1] = 0.0
+        return out
 
     def _route(self, tag: Tag) -> tuple[int, int]:
         check_tag(tag)
@@ -116,9 +136,11 @@ class DistTransport(Transport):
         else:
             if self._sender is None:
                 self._sender = DueQueue(self._deliver)
-            due = (link.delivery_time(payload.nbytes + self.overhead_bytes, link.clock()) if link
-                   else time.perf_counter())
-            self._sender.put(due, (peer, ch, parts))
+            handed = link.clock() if link else time.perf_counter()
+            due = link.delivery_time(payload.nbytes + self.overhead_bytes, handed) if link else handed
+            rated = (payload.nbytes + self.overhead_bytes, handed, link.latency_ms / 1e3) if link and link.rate_mbps \
+                else (0, 0.0, 0.0)
+            self._sender.put(due, (peer, ch, parts, rated))
         if axis is not None:
             self.meter.add(axis, payload.nbytes if metered is None else metered)
         self.header_bytes += self.overhead_bytes

@@ -38,17 +38,20 @@ class Namespaces:
         return f"{SUBNET}.{rank + 1}"
 
 
-def link_rates_mbps(layout: MeshLayout, pp_mbps: float, dp_mbps: float, tied: bool) -> dict[tuple[int, int], float]:
-    """Egress rate of every ordered rank pair that has a shaped link (rank i -> rank j)."""
+def link_rates_mbps(layout: MeshLayout, pp_mbps: float | list[float], dp_mbps: float,
+                    tied: bool) -> dict[tuple[int, int], float]:
+    """Egress rate of every ordered rank pair that has a shaped link (rank i -> rank j); ``pp_mbps``: one rate, or
+    one per boundary (the tied embedding's link between the first and last stage takes the slowest)."""
     rates = {}
+    per = pp_mbps if isinstance(pp_mbps, list) else [pp_mbps] * max(layout.pp - 1, 0)
     for row in range(layout.rows):
         ranks = layout.grid[row]
-        pairs = [(ranks[s], ranks[s + 1]) for s in range(layout.pp - 1)]
+        pairs = [(ranks[s], ranks[s + 1], per[s]) for s in range(layout.pp - 1)]
         if tied and layout.pp > 2:
-            pairs.append((ranks[0], ranks[-1]))
-        for a, b in pairs:
-            if pp_mbps:
-                rates[(a, b)] = rates[(b, a)] = pp_mbps
+            pairs.append((ranks[0], ranks[-1], min(per)))
+        for a, b, mbps in pairs:
+            if mbps:
+                rates[(a, b)] = rates[(b, a)] = mbps
     for s in range(layout.pp):
         col = [layout.grid[r][s] for r in range(layout.rows)]
         for a in col:

@@ -133,21 +133,44 @@ PP_AXES = ("pp_fwd", "pp_bwd", "pp_params", "tied", "rollout")
 
 
 class MeshLinks:
-    """A rank's outgoing links: one per peer on the PP axes (shared by everything it sends that peer),
-    one per peer on the anchor's pull and push links (they cross between rows: shaped like DP links).
-    With kernel shaping (``thinpipe launch --netns``) tc enforces the rates; only the latency stays."""
+    """A rank's outgoing links: one per peer on the PP axes (shared by everything it sends that peer), one per peer on
+    the anchor's pull and push links (they cross between rows: shaped like DP links). A PP link takes its boundary's
+    rate and latency (``link.pp_mbps`` may list one per boundary; a link between stages that are not neighbours, the
+    tied embedding's between the first and last stage, takes the slowest boundary's). With kernel shaping
+    (``thinpipe launch --netns``) tc enforces the rates; only the latency stays."""
 
-    def __init__(self, lk: LinkConfig) -> None:
-        """``lk``: the config's ``link`` section."""
-        self.pp_mbps, self.dp_mbps = (0.0, 0.0) if lk.shaper == "kernel" else (lk.pp_mbps, lk.dp_mbps)
-        self.pp_latency_ms, self.dp_latency_ms = lk.pp_latency_ms, lk.dp_latency_ms
+    def __init__(self, lk: LinkConfig, stage_of: Callable[[int], int] | None = None, me: int = 0) -> None:
+        """``lk``: the config's ``link`` section; ``stage_of(rank)``: a rank's stage (the boundary of a PP link),
+        ``me`` this rank."""
+        self.lk, self.kernel = lk, lk.shaper == "kernel"
+        self.dp_mbps = 0.0 if self.kernel else lk.dp_mbps
+        self.dp_latency_ms = lk.dp_latency_ms
+        self.stage_of, self.me = stage_of, me
         self._pp: dict[int, ShapedLink] = {}
         self._anchor: dict[int, ShapedLink] = {}
 
+    def boundary(self, peer: int) -> int | None:
+        """The boundary a PP link to ``peer`` crosses (None: not neighbouring stages, or no layout given)."""
+        if self.stage_of is None:
+            return None
+        a, b = self.stage_of(self.me), self.stage_of(peer)
+        return min(a, b) if abs(a - b) == 1 else None
+
+    def pp_rate(self, peer: int) -> tuple[float, float]:
+        """(Mbit/s, latency ms) of the PP link to ``peer``."""
+        lk, b = self.lk, self.boundary(peer)
+        mbps = lk.pp_mbps_at(b) if b is not None else lk.pp_mbps_min
+        latency = lk.pp_latency_ms_at(b) if b is not None else (
+            max(lk.pp_latency_ms) if isinstance(lk.pp_latency_ms, list) else lk.pp_latency_ms)
+        return (0.0 if self.kernel else mbps), latency
+
     def pp(self, axis: str | None, peer: int) -> ShapedLink | None:
-        if axis in PP_AXES and (self.pp_mbps or self.pp_latency_ms):
-            return self._pp.setdefault(peer, ShapedLink(self.pp_mbps, self.pp_latency_ms))
-        return None
+        if axis not in PP_AXES:
+            return None
+        if peer not in self._pp:
+            mbps, latency = self.pp_rate(peer)
+            self._pp[peer] = ShapedLink(mbps, latency) if (mbps or latency) else None
+        return self._pp[peer]
 
     def anchor(self, axis: str | None, peer: int) -> ShapedLink | None:
         if self.dp_mbps or self.dp_latency_ms:

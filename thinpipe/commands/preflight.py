@@ -37,9 +37,9 @@ def validate_names(cfg) -> None:
     if layers is not None and cfg.mesh.pp > layers:
         raise ConfigError(f"mesh.pp = {cfg.mesh.pp} stages but {cfg.model.name} has only {layers} decoder layers: "
                           f"use mesh.pp <= {layers}")
-    if layers is not None and cfg.mesh.split and sum(cfg.mesh.split) != layers:
-        raise ConfigError(f"mesh.split = {cfg.mesh.split} covers {sum(cfg.mesh.split)} layers but "
-                          f"{cfg.model.name} has {layers}")
+    split = cfg.mesh.fixed_split
+    if layers is not None and split and sum(split) != layers:
+        raise ConfigError(f"mesh.split = {split} covers {sum(split)} layers but {cfg.model.name} has {layers}")
     if cfg.eval.tasks:
         validate_tasks(cfg.eval.tasks)
     from thinpipe.dashboards import check_installed

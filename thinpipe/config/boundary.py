@@ -74,6 +74,11 @@ class BoundaryConfig:
     """A kind that may compress one way (``one_way``: ``outlier``): the directions compressed: ``both``, ``fwd``
     (the gradient crosses dense in the wire dtype) or ``bwd`` (the activation crosses dense): the forward/backward
     split of a setting's loss (experiments/frontier/README.md)."""
+    kinds: list[str] = field(default_factory=list)
+    """A kind per boundary (0 = between stages 0 and 1), e.g. ``["outlier", "klt-dither", "identity"]``: the links
+    of an uneven mesh each get their own codec (``thinpipe plan --target-tps`` recommends such a list); each kind
+    takes its own table (``[boundary.<kind>]``) and the shared keys above. Empty: ``kind`` on every boundary. A kind
+    that is part of the model (MAPL, SSN, bottleneck) chains through every boundary and is not listed here."""
     tables: dict[str, Any] = field(default_factory=dict, metadata={"tables": True})
     """The kinds' own settings given (``[boundary.<kind>]``), by kind; a kind not here has its defaults
     (``settings``). Not a key of its own: each table is ``boundary.<kind>``."""
@@ -98,6 +103,16 @@ class BoundaryConfig:
             return None
         return self.tables.setdefault(kind, spec())
 
+    def kind_at(self, boundary: int) -> str:
+        """The kind of boundary ``boundary``: its entry of ``kinds``, else ``kind``."""
+        return self.kinds[boundary] if self.kinds else self.kind
+
+    def at(self, boundary: int) -> "BoundaryConfig":
+        """This section as boundary ``boundary``'s kind sees it: ``kind`` is its kind (the tables are shared), so a
+        kind's builder reads its own table as with one kind everywhere."""
+        kind = self.kind_at(boundary)
+        return self if kind == self.kind and not self.kinds else dataclasses.replace(self, kind=kind, kinds=[])
+
     def bits(self) -> tuple[int, int]:
         """(forward, backward) bits of a quantising kind, its defaults filled in."""
         fwd, bwd = self.spec().default_bits
@@ -107,8 +122,12 @@ class BoundaryConfig:
         """The shared keys, then the configured kind's table (when it has settings): what ``config.toml`` records."""
         out = dataclasses.asdict(self)
         del out["tables"]
-        own = dataclasses.asdict(self.settings()) if self.kind in BOUNDARY_KINDS else {}
-        return {**out, self.kind: own} if own else out
+        out: dict[str, Any] = dict(out)
+        for kind in dict.fromkeys([self.kind, *self.kinds]):  # the configured kinds' tables, each once
+            own = dataclasses.asdict(self.settings(kind)) if kind in BOUNDARY_KINDS else {}
+            if own:
+                out[kind] = own
+        return out
 
     def validate(self) -> None:
         self.spec()
@@ -144,12 +163,28 @@ class BoundaryConfig:
             one_way = "/".join(k for k, spec in BOUNDARY_KINDS.items() if spec.one_way)
             raise ConfigError(f"boundary.compress = {self.compress} is an {one_way} setting; boundary.kind is "
                               f"{self.kind}")
-        for kind in dict.fromkeys([*self.tables, self.kind]):  # every table given, and the configured kind's
-            self._check(self.settings(kind).validate, self)
+        for kind in self.kinds:
+            spec = self.spec(kind)
+            if spec.architectural:
+                raise ConfigError(f"boundary.kinds lists {kind}, which is part of the model (its offsets chain through "
+                                  "every boundary): set boundary.kind = " + kind + " for all boundaries instead")
+            if self.compress != "both" and not spec.one_way:
+                raise ConfigError(f"boundary.compress = {self.compress} is a one-way setting; boundary.kinds lists "
+                                  f"{kind}, which compresses both ways")
+        if self.kinds and self.masked:
+            raise ConfigError("boundary.kinds and boundary.masked both choose boundaries: list identity in "
+                              "boundary.kinds for a dense boundary and leave boundary.masked empty")
+        for kind in dict.fromkeys([*self.tables, self.kind, *self.kinds]):  # every table given, the kinds configured
+            self._check(self.settings(kind).validate, self.at(self.kinds.index(kind)) if kind in self.kinds else self)
 
     def check_stages(self, stages: int) -> None:
-        """The configured kind's settings fit a pipeline of ``stages`` stages (``mesh.pp``)."""
-        self._check(self.settings().check_stages, self, stages)
+        """The configured kinds' settings fit a pipeline of ``stages`` stages (``mesh.pp``)."""
+        if self.kinds and len(self.kinds) != stages - 1:
+            raise ConfigError(f"boundary.kinds lists {len(self.kinds)} kinds but the pipeline has {stages - 1} "
+                              "boundaries (mesh.pp - 1): give one kind per boundary")
+        for b in range(len(self.kinds)) if self.kinds else [None]:
+            view = self if b is None else self.at(b)
+            self._check(view.settings().check_stages, view, stages)
 
     @staticmethod
     def _check(check, *args) -> None:

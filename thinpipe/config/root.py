@@ -94,6 +94,10 @@ class Config:
                 f"boundary.masked = {self.boundary.masked} names a boundary that does not exist: with mesh.pp = "
                 f"{self.mesh.pp} the boundaries are 0..{self.mesh.pp - 2}")
         self.boundary.check_stages(self.mesh.pp)
+        self.link.check_boundaries(self.mesh.pp - 1)
+        if self.mesh.speeds and len(self.mesh.speeds) != self.mesh.pp:
+            raise ConfigError(f"mesh.speeds has {len(self.mesh.speeds)} entries but mesh.pp = {self.mesh.pp}: give one "
+                              "relative speed per stage, e.g. [1.0, 0.5] (or leave it empty: equal)")
         if self.elastic.min_replicas > self.mesh.dp:
             raise ConfigError(f"elastic.min_replicas = {self.elastic.min_replicas} exceeds mesh.dp = {self.mesh.dp} "
                               "(the job's replicas): lower it or raise mesh.dp")
@@ -133,6 +137,13 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
     """Convert a TOML value or a ``--set`` string to the field's declared type (a string annotation, or the type
     itself where a plug-in's module does not postpone annotations)."""
     typ = typ.__name__ if isinstance(typ, type) else str(typ)
+    if typ == "list[int] | str":  # a word (``mesh.split = "auto"``) or a list of counts
+        if isinstance(value, str) and value.strip() and not value.strip().startswith("["):
+            return value.strip()
+        typ = "list[int]"
+    if typ == "float | list[float]":  # one number for every boundary, or one per boundary (``link.pp_mbps``)
+        listed = isinstance(value, list) or (isinstance(value, str) and value.strip().startswith("["))
+        typ = "list[float]" if listed else "float"
     if isinstance(value, str) and typ != "str":
         text = value.strip()
         if typ == "bool":
@@ -164,7 +175,13 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 raise ValueError
             return value
         if typ == "list[int]":
+            if any(isinstance(v, bool) or (isinstance(v, float) and not v.is_integer()) for v in value):
+                raise ValueError
             return [int(v) for v in value]
+        if typ == "list[float]":
+            if any(isinstance(v, bool) for v in value):
+                raise ValueError
+            return [float(v) for v in value]
         if typ == "list[str]":
             return [str(v) for v in value]
     except (TypeError, ValueError):

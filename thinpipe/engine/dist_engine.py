@@ -58,7 +58,8 @@ from thinpipe.engine.job_model import (
     write_model,
 )
 from thinpipe.engine.loop import run
-from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at_step
+from thinpipe.engine.rank_rows import VECTOR, rank_vector, rows_of
+from thinpipe.faults import fault_anchor_at_cycle, fault_at_checkpoint, fault_at_step, slow_factor
 from thinpipe.models.heap import release_freed_heap
 from thinpipe.objective.registry import make_objective
 from thinpipe.rank.from_config import DTYPES, val_batches, wire_dtype
@@ -80,6 +81,7 @@ class DistEngine:
         self.data_replica = r.role.replica if data_replica is None else data_replica
         self.cfg, self.layout, self.role, self.groups = cfg, r.layout, r.role, r.groups
         self.stage, self.bounds, self.train_ds, self.val_ds = r.stage, r.bounds, r.train_ds, r.val_ds
+        self.split_auto = r.split_auto
         self.rank, self.world_size, self.device = r.role.rank, r.layout.world_size, r.device
         self.lead = self.rank == 0
         self.meter = ByteMeter()
@@ -100,6 +102,8 @@ class DistEngine:
                                  links, wire_dtype(cfg)) if m.anchor else None)
         self.step_index, self._bytes, self._grad_norm = 0, {a: 0 for a in AXES}, 0.0
         self._router_aux = 0.0
+        self._rank_rows: list[dict] = []  # the last step's ranks.jsonl rows (the lead's; engine/rank_rows.py)
+        self.rk.worker.times.slow = slow_factor(self.rank)  # THINPIPE_SLOW_RANK (tests and benchmarks)
         self._complete = -1  # the newest checkpoint set every rank holds
         self._fault_at = fault_at_step()  # crash-recovery tests only (thinpipe/faults.py)
         self._trained = False  # a load after a step is a rollback
@@ -150,21 +154,32 @@ class DistEngine:
         replicas, the same on every rank): the mesh's bytes and gradient norm. Always committed here (None: an
         ``ElasticEngine`` step that did not commit)."""
         self._trained = True
-        self.record_step()
+        self.record_step(step)
         self.step_index = step + 1
         return loss
 
     def tokens_seen(self) -> int:
         return self.objective.tokens
 
-    def record_step(self) -> None:
-        """After a step: the whole mesh's bytes and replica 0's gradient norm (every rank decides alike on it), in
-        one collective over the fast ranks."""
+    def my_vector(self) -> list[float]:
+        """This rank's step for ``ranks.jsonl`` (engine/rank_rows.py)."""
+        row, s = self.layout.grid[self.role.replica], self.role.stage
+        return rank_vector(self.rk.worker.times.take(), self.transport.link_rates(), row[s - 1] if s else None,
+                           row[s + 1] if s < len(row) - 1 else None)
+
+    def record_step(self, step: int) -> None:
+        """After a step: the whole mesh's bytes, replica 0's gradient norm (every rank decides alike on it) and
+        every rank's times, in one collective over the fast ranks."""
         mine = self.meter.snapshot()
-        rows = self.gather([self.rk.last_grad_norm, self.rk.router_aux, *(mine[a] for a in AXES)])
-        self._bytes = {a: int(sum(float(r[2 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        rows = self.gather([self.rk.last_grad_norm, self.rk.router_aux, *self.my_vector(),
+                            *(mine[a] for a in AXES)])
+        first = 2 + VECTOR
+        self._bytes = {a: int(sum(float(r[first + i]) for r in rows)) for i, a in enumerate(AXES)}
         self._grad_norm = float(rows[0][0])
         self._router_aux = sum(float(r[1]) for r in rows) / self.layout.dp  # stages summed, replicas averaged
+        if self.lead:
+            self._rank_rows = rows_of(step, {k: r[2:first].tolist() for k, r in enumerate(rows)},
+                                      dict(enumerate(self.layout.grid[:self.layout.dp])))
 
     def after_schedule(self, step: int) -> None:
         """Between a step's pipeline schedule and its DP syncs (fault-injection point of the elastic tests)."""
@@ -174,6 +189,10 @@ class DistEngine:
 
     def router_aux_loss(self) -> float | None:
         return self._router_aux if self.stage.family.experts else None
+
+    def rank_rows(self) -> list[dict]:
+        rows, self._rank_rows = self._rank_rows, []
+        return rows
 
     def bytes_total(self) -> dict[str, int]:
         """Every fast rank's metered bytes as of the last step (at the end, the anchor ranks' too:
@@ -315,7 +334,8 @@ class DistEngine:
         return {"engine": "dist", "params": int(sum(float(c[1]) for c in counts)),
                 "trainable_params": int(sum(float(c[0]) for c in counts)),
                 "boundary_memory_bytes": int(sum(float(m[0]) for m in memory)),
-                **(self.feed.summary() if self.feed else {})}
+                **(self.feed.summary() if self.feed else {}),
+                **({"split_auto": self.split_auto} if self.split_auto else {})}
 
     def close(self) -> None:
         transports = [self.transport, self.eval_transport]

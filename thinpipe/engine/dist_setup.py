@@ -30,6 +30,7 @@ from thinpipe.objective.registry import build_data
 from thinpipe.placement import local_rank, move
 from thinpipe.rank.from_config import DTYPES, load_stage, place, wire_dtype
 from thinpipe.rank.schedule import SCHEDULES
+from thinpipe.rank.split_measure import agree_split
 
 KEEP_LISTED = 64  # how many of its newest verified sets a rank reports when ranks agree on one to resume
 
@@ -57,6 +58,7 @@ class RankSetup:
     device: torch.device    # where this rank computes
     tokenizer: object = None  # the model's (an objective may decode what it samples with it)
     vocab_size: int = 0       # the model's vocabulary (what token ids a peer sends may index)
+    split_auto: dict | None = None  # mesh.split = "auto": the measurements and the split chosen (summary.json)
 
     @staticmethod
     def build(cfg: Config, layout: MeshLayout | None = None) -> RankSetup:
@@ -67,6 +69,8 @@ class RankSetup:
         layout.check_world(dist.get_world_size())
         role = layout.role(dist.get_rank())
         device = place(cfg, local_rank())
+        # mesh.split = "auto": measured and agreed before any stage loads (rank/split_measure.py); cfg then holds it
+        split_auto = agree_split(cfg, layout, role, device) if m.split == "auto" else None
         # Only this rank's stage holds weights (the others are placeholders boundaries attach to);
         loaded = load_stage(cfg, role.stage, whole=bench_whole_model())  # benchmarks/stage_memory.py's "before"
         train_ds, val_ds = build_data(cfg, loaded.tokenizer)
@@ -77,9 +81,10 @@ class RankSetup:
         for module in [stages[role.stage], *bounds]:
             move(module, device)  # after attach: the owned boundary modules move with their stage
         groups = ProcessGroups.build(layout)  # every process, every group, the same order
-        return RankSetup(cfg, layout, role, groups, MeshLinks(cfg.link), stages[role.stage], bounds, train_ds, val_ds,
+        links = MeshLinks(cfg.link, lambda rank: layout.role(rank).stage, role.rank)  # a PP link: its boundary's
+        return RankSetup(cfg, layout, role, groups, links, stages[role.stage], bounds, train_ds, val_ds,
                          hidden, SCHEDULES[t.schedule](m.pp, t.microbatches)[role.stage], device, loaded.tokenizer,
-                         loaded.model.config.vocab_size)
+                         loaded.model.config.vocab_size, split_auto)
 
 
 def held_state(state: dict) -> dict:

@@ -74,6 +74,7 @@ from thinpipe.engine.elastic_setup import (
     replica_id,
 )
 from thinpipe.engine.loop import resolve_resume, run
+from thinpipe.engine.rank_rows import VECTOR, rows_of
 from thinpipe.events import append_event
 from thinpipe.faults import elastic_kill_step
 from thinpipe.layout import MeshLayout
@@ -226,8 +227,13 @@ class ElasticEngine(DistEngine):
         a replica was lost), with the step's snapshot to apply at the next quorum."""
         snapshot, self._snapshot = self._snapshot, None
         mine = self.meter.snapshot()
-        rows = self.gather([self.rk.last_grad_norm, *(mine[a] for a in AXES)])  # this replica's stages
-        sent = {a: int(sum(float(r[1 + i]) for r in rows)) for i, a in enumerate(AXES)}
+        rows = self.gather([self.rk.last_grad_norm, *self.my_vector(), *(mine[a] for a in AXES)])  # this replica's
+        first = 1 + VECTOR                                                                             # stages
+        sent = {a: int(sum(float(r[first + i]) for r in rows)) for i, a in enumerate(AXES)}
+        if self.lead:  # this replica's ranks.jsonl rows, in its own folder; ranks numbered as in the job's grid
+            ranks = [self.replica * len(rows) + s for s in range(len(rows))]
+            self._rank_rows = rows_of(step, {ranks[s]: r[1:first].tolist() for s, r in enumerate(rows)},
+                                      {self.replica: ranks})
         dp, tokens = self.cfg.mesh.dp, 3 + len(AXES)
         table = torch.zeros(dp, tokens + 1, dtype=torch.float64)  # one row per replica slot, theirs only
         table[self.replica] = torch.tensor([1.0, loss, float(rows[0][0]),

@@ -23,6 +23,10 @@ RESUME_ENV = "THINPIPE_ELASTIC_RESUME"      # the launcher's: "1" = continue fro
 
 
 def check_elastic(cfg: Config) -> None:
+    if cfg.mesh.split == "auto":
+        raise ConfigError("mesh.split = auto is agreed by the ranks of one world, and each elastic replica is its own "
+                          "world (replicas could choose apart): give the split as a list (e.g. the one an --engine "
+                          "dist run's config.toml holds)")
     if cfg.mesh.anchor:
         raise ConfigError("elastic replicas do not run an anchor circuit yet: set mesh.anchor = 0, "
                           "or use --engine dist")

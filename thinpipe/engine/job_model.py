@@ -59,7 +59,7 @@ def skeleton(cfg: Config):
     seeds it)."""
     with torch.random.fork_rng(devices=[]):
         loaded = load_empty(cfg)
-    return loaded, build_stages(_meta_copy(loaded.model), cfg.mesh.split or None, cfg.mesh.pp)
+    return loaded, build_stages(_meta_copy(loaded.model), cfg.mesh.fixed_split, cfg.mesh.pp)
 
 
 def _meta_copy(model):

@@ -31,6 +31,7 @@ from thinpipe.config import Config, ConfigError, Diverged, load_config
 from thinpipe.console import say
 from thinpipe.dashboards import Dashboards
 from thinpipe.engine.job_model import MODEL_DIR
+from thinpipe.engine.rank_rows import RANKS_FILE, slowest
 from thinpipe.faults import nan_at_step
 from thinpipe.jsonl import read_rows
 from thinpipe.objective.base import Objective
@@ -58,6 +59,8 @@ class Engine(Protocol):
     #                                                              committed (elastic: a replica was lost), redo it
     def tokens_seen(self) -> int: ...                            # training tokens of the whole mesh so far
     def grad_norm(self) -> float: ...
+    def rank_rows(self) -> list[dict]: ...                       # the last step's ranks.jsonl rows (the lead's; []
+    #                                                              elsewhere): engine/rank_rows.py
     def router_aux_loss(self) -> float | None: ...               # a mixture of experts' router loss in the last step
     #                                                              (every stage's, replicas averaged); None: dense
     def bytes_total(self) -> dict[str, int]: ...                 # cumulative, whole mesh, per axis
@@ -127,6 +130,9 @@ class Rows:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.toml").write_text(cfg.to_toml())
         self.f = open(out / "metrics.jsonl", "w") if self.lead else _Discard()
+        # where each rank's time goes (engine/rank_rows.py), rewound with the metrics
+        self.ranks = _read_rows(out / RANKS_FILE, start, say if engine.lead else None) if resume else []
+        self.rf = open(out / RANKS_FILE, "w") if self.lead else _Discard()
         self._rewrite()  # rows after the checkpoint are redone
         self.dash = Dashboards(cfg, out, start) if self.lead else Dashboards.none()
         self.bar = tqdm(total=cfg.train.steps, desc="train", disable=not (progress and self.lead), initial=start,
@@ -137,10 +143,13 @@ class Rows:
         """Seconds of this run so far (a resumed run's rows keep counting from their last)."""
         return time.perf_counter() - self.wall0
 
-    def append(self, row: dict, val_key: str, shown: str) -> None:
+    def append(self, row: dict, val_key: str, shown: str, ranks: list[dict]) -> None:
         self.metrics.append(row)
         self.f.write(json.dumps(row) + "\n")
         self.f.flush()
+        self.ranks += ranks
+        self.rf.writelines(json.dumps(r) + "\n" for r in ranks)
+        self.rf.flush()
         self.dash.log(row)
         self.bar.update(1)
         nbytes = sum(row[f"{a}_bytes"] for a in AXES)
@@ -156,6 +165,7 @@ class Rows:
         """Back to a checkpoint's ``step``: its rows after it are dropped, ``config.toml`` rewritten (a rollback
         lowered train.lr, which a later --resume keeps)."""
         self.metrics = [m for m in self.metrics if m["step"] < step]
+        self.ranks = [r for r in self.ranks if r["step"] < step]
         if self.lead:
             (self.out / "config.toml").write_text(cfg.to_toml())
         self._rewrite()
@@ -163,13 +173,15 @@ class Rows:
         self.go_to(step)
 
     def _rewrite(self) -> None:
-        self.f.seek(0)
-        self.f.truncate()
-        self.f.writelines(json.dumps(m) + "\n" for m in self.metrics)
-        self.f.flush()
+        for f, rows in ((self.f, self.metrics), (self.rf, self.ranks)):
+            f.seek(0)
+            f.truncate()
+            f.writelines(json.dumps(m) + "\n" for m in rows)
+            f.flush()
 
     def close(self) -> None:
         self.f.close()
+        self.rf.close()
         self.bar.close()
 
 
@@ -278,7 +290,7 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
             if diverged is None:
                 row = _row(engine, cfg, vk, step, loss, rows.wall(), val_points)
                 shown = f"{row[vk]:.3f}" if vk in row else shown
-                rows.append(row, vk, shown)
+                rows.append(row, vk, shown, engine.rank_rows())
                 diverged = recovery.after_step(step, val_points)
             if diverged is None:
                 step += 1
@@ -298,6 +310,8 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     final_val = objective.validation()
     val_points.append((t.steps, final_val))
     summary = _summary(engine, cfg, spec, rows.metrics, val_points, wall, recovery.rollbacks)
+    if summary is not None:
+        summary.update(slowest(rows.ranks))
     model = engine.write_model(out / MODEL_DIR)  # the job's model on one machine, after its last measurement
     if summary is None:
         return None

@@ -18,6 +18,7 @@ from thinpipe.config import Config, ConfigError
 from thinpipe.console import say
 from thinpipe.engine.job_model import architectural_line, model_share, model_summary, sent_bytes, skeleton, write_model
 from thinpipe.engine.loop import resolve_resume, run
+from thinpipe.engine.rank_rows import rank_vector, rows_of
 from thinpipe.engine.sim_mesh import SimMesh
 from thinpipe.engine.sim_pipe import SimPipe
 from thinpipe.objective.registry import build_data, make_objective
@@ -70,6 +71,15 @@ class SimEngine:
 
     def grad_norm(self) -> float:
         return self.mesh.last_grad_norm
+
+    def rank_rows(self) -> list[dict]:
+        """The last step's ``ranks.jsonl`` rows (engine/rank_rows.py): each simulated rank's compute; the ranks share
+        this process, so none waits and no link is timed."""
+        m = self.cfg.mesh
+        vectors = {rk.replica * m.pp + rk.index: rank_vector(rk.worker.times.take(), {}, None, None)
+                   for rk in self.mesh.all_ranks()}
+        return rows_of(self.mesh.step_index - 1, vectors,
+                       {r: [r * m.pp + s for s in range(m.pp)] for r in range(m.dp)})
 
     def router_aux_loss(self) -> float | None:
         """A mixture of experts' router loss in the last step (models/router_loss.py): every stage's summed, the
@@ -138,7 +148,8 @@ class SimEngine:
         return {"engine": "sim", "params": sum(rk.model_count() for rk in self.mesh.ranks[0]),
                 "trainable_params": trainable_params(self.mesh),
                 "boundary_memory_bytes": self.mesh.boundary_memory_bytes(),
-                **(self.mesh.anchor.summary() if self.mesh.anchor else {})}
+                **(self.mesh.anchor.summary() if self.mesh.anchor else {}),
+                **({"split_auto": self.mesh.split_auto} if self.mesh.split_auto else {})}
 
 
 def train(cfg: Config, out: str | Path, resume: bool = False, progress: bool = True) -> dict:

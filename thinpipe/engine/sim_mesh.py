@@ -33,6 +33,7 @@ from thinpipe.rank.context import MicrobatchContext, make_contexts, positions_an
 from thinpipe.rank.from_config import DTYPES, configure_stage, lr_at, wire_dtype
 from thinpipe.rank.passes import heldout_pass, residual_pass, residual_start_boundaries, start_copies
 from thinpipe.rank.schedule import SCHEDULES, execute, serial_order
+from thinpipe.rank.split_measure import simulated_split
 from thinpipe.rank.stage_rank import StageRank
 
 __all__ = ["DTYPES", "SimMesh", "wire_dtype"]
@@ -47,11 +48,13 @@ class SimMesh:
         self.meter = ByteMeter()
         self.mailbox = Mailbox(self.meter)
         hidden = model.config.hidden_size
+        # mesh.split = "auto": chosen here from one measurement and mesh.speeds (rank/split_measure.py)
+        self.split_auto = simulated_split(cfg, model.config, device) if m.split == "auto" else None
         # One boundary object per link and replica, holding both ends (in simulation both ends are
         # this process). Learned kinds register their parameters on the stage that owns them; the
         # other end computes with a copy that is synced over the wire (``sync_boundary_*``).
         self.replicas: list[list[Stage]] = [
-            [configure_stage(st, cfg) for st in build_stages(model, m.split or None, m.pp)] for _ in range(m.dp)]
+            [configure_stage(st, cfg) for st in build_stages(model, m.fixed_split, m.pp)] for _ in range(m.dp)]
         self.replica_boundaries = [build_boundaries(cfg.boundary, m.pp, hidden, t.seed, on_wire, model)
                                    for _ in range(m.dp)]
         for stages, bounds in zip(self.replicas, self.replica_boundaries):

@@ -111,7 +111,7 @@ def in_flight(schedule: str, stages: int, microbatches: int) -> list[int]:
 def stage_layers(cfg: Config, layers: int) -> list[int]:
     from thinpipe.models.stages import balanced_split
 
-    return list(cfg.mesh.split) if cfg.mesh.split else balanced_split(layers, cfg.mesh.pp)
+    return cfg.mesh.fixed_split or balanced_split(layers, cfg.mesh.pp)
 
 
 def lora_params_per_layer(arch, lora) -> int:

@@ -136,17 +136,17 @@ def _load_stage(cfg: Config, index: int, whole: bool = False) -> LoadedStage:
         torch.manual_seed(cfg.train.seed)
         tokenizer, config = scale_setup(cfg.model.name, cfg.model.tokenizer)
         check_layers(cfg, config.num_hidden_layers)
-        stages = scale_stages(config, index, m.split or None, m.pp, cfg.train.lora, cfg.train.seed)
+        stages = scale_stages(config, index, m.fixed_split, m.pp, cfg.train.lora, cfg.train.seed)
         return LoadedStage(stages, tokenizer, ScaleModelOnDisk(config, cfg.train.seed), config.hidden_size)
     folder = model_folder(cfg.model.name)
     if whole or folder is None or not has_safetensors(folder):
         loaded = load(cfg)
-        return LoadedStage(build_stages(loaded.model, m.split or None, m.pp), loaded.tokenizer, loaded.model,
+        return LoadedStage(build_stages(loaded.model, m.fixed_split, m.pp), loaded.tokenizer, loaded.model,
                            loaded.model.config.hidden_size)
     torch.manual_seed(cfg.train.seed)
     disk = ModelOnDisk(folder)
     check_layers(cfg, disk.config.num_hidden_layers)
-    stages = stage_from_folder(folder, index, m.split or None, m.pp, cfg.train.lora, cfg.train.seed)
+    stages = stage_from_folder(folder, index, m.fixed_split, m.pp, cfg.train.lora, cfg.train.seed)
     return LoadedStage(stages, load_tokenizer(folder), disk, disk.config.hidden_size)
 
 

@@ -14,6 +14,7 @@ from thinpipe.comm.protocols import Transport
 from thinpipe.comm.tags import Activation, Gradient
 from thinpipe.models.stages import Stage
 from thinpipe.placement import autocast, device_of
+from thinpipe.rank.timing import StepTimes
 
 
 class StageWorker:
@@ -27,6 +28,7 @@ class StageWorker:
         self.fwd_axis, self.bwd_axis = axes
         self._saved: dict[int, dict] = {}
         self.losses: list[float] = []
+        self.times = StepTimes()  # where this step's time goes (rank/timing.py)
 
     @property
     def _receiving(self) -> Boundary:
@@ -48,16 +50,20 @@ class StageWorker:
         if self.stage.is_first:
             x = ctx.input_ids
         else:
-            payload = self.transport.recv(Activation(self.replica, self._receiving.index, ctx.microbatch),
-                                          self._receiving.payload_expect("fwd", ctx.tokens, ctx))
-            saved["z_hat"], x = receiver_forward(self._receiving, payload, ctx, torch.float32)
-        with self._autocast():
-            out = self.stage(x, ctx)
-        if self.stage.is_last:
-            saved["loss"] = out
-            self.losses.append(float(out.detach()))
-        else:
-            saved["z"], payload = sender_forward(self._sending, out, ctx)
+            with self.times.waiting("prev"):
+                payload = self.transport.recv(Activation(self.replica, self._receiving.index, ctx.microbatch),
+                                              self._receiving.payload_expect("fwd", ctx.tokens, ctx))
+        with self.times.compute():
+            if not self.stage.is_first:
+                saved["z_hat"], x = receiver_forward(self._receiving, payload, ctx, torch.float32)
+            with self._autocast():
+                out = self.stage(x, ctx)
+            if self.stage.is_last:
+                saved["loss"] = out
+                self.losses.append(float(out.detach()))
+            else:
+                saved["z"], payload = sender_forward(self._sending, out, ctx)
+        if not self.stage.is_last:
             self.transport.send(Activation(self.replica, self._sending.index, ctx.microbatch), payload,
                                 self.fwd_axis)
 
@@ -67,12 +73,16 @@ class StageWorker:
 
     def backward(self, ctx) -> None:
         saved = self._saved.pop(ctx.microbatch)
-        if self.stage.is_last:
-            saved["loss"].backward()
-        else:
-            payload = self.transport.recv(Gradient(self.replica, self._sending.index, ctx.microbatch),
-                                          self._sending.payload_expect("bwd", ctx.tokens, ctx))
-            sender_backward(self._sending, saved["z"], payload, ctx)
+        if not self.stage.is_last:
+            with self.times.waiting("next"):
+                payload = self.transport.recv(Gradient(self.replica, self._sending.index, ctx.microbatch),
+                                              self._sending.payload_expect("bwd", ctx.tokens, ctx))
+        with self.times.compute():
+            if self.stage.is_last:
+                saved["loss"].backward()
+            else:
+                sender_backward(self._sending, saved["z"], payload, ctx)
+            if not self.stage.is_first:
+                payload = receiver_backward(self._receiving, saved["z_hat"], ctx)
         if not self.stage.is_first:
-            payload = receiver_backward(self._receiving, saved["z_hat"], ctx)
             self.transport.send(Gradient(self.replica, self._receiving.index, ctx.microbatch), payload, self.bwd_axis)
