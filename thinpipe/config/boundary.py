@@ -33,8 +33,10 @@ class BoundaryConfig:
     transform coding in the activations' own KLT basis, bits by reverse water-filling, more bits on the
     tokens that carry loss; issue 36), or a plug-in's (``plugins.py``). docs/baselines.md has each one's
     details; a kind's own settings are its table ``[boundary.<kind>]`` (``config/boundary_kinds.py``)."""
-    p: float = 0.95
-    """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims."""
+    p: float | list[float] = 0.95
+    """Mask ratio p for ``mask`` and ``topk``: each token keeps K = round((1-p) H) of its H hidden dims. One ratio,
+    or one per boundary (``[0.75, 0.95, 0.75]``: the slow link's boundary masks more; ``thinpipe plan`` writes such
+    lists for uneven links)."""
     rescale: bool = True
     """Scale kept values by 1/(1-p) at the receiver so the masked activation is unbiased (App. F)."""
     masked: list[int] = field(default_factory=list)
@@ -108,10 +110,13 @@ class BoundaryConfig:
         return self.kinds[boundary] if self.kinds else self.kind
 
     def at(self, boundary: int) -> "BoundaryConfig":
-        """This section as boundary ``boundary``'s kind sees it: ``kind`` is its kind (the tables are shared), so a
-        kind's builder reads its own table as with one kind everywhere."""
+        """This section as boundary ``boundary``'s kind sees it: ``kind`` is its kind and ``p`` its ratio (the tables
+        are shared), so a kind's builder reads its own settings as with one kind everywhere."""
         kind = self.kind_at(boundary)
-        return self if kind == self.kind and not self.kinds else dataclasses.replace(self, kind=kind, kinds=[])
+        p = self.p[boundary] if isinstance(self.p, list) else self.p
+        if kind == self.kind and not self.kinds and p == self.p:
+            return self
+        return dataclasses.replace(self, kind=kind, kinds=[], p=p)
 
     def bits(self) -> tuple[int, int]:
         """(forward, backward) bits of a quantising kind, its defaults filled in."""
@@ -131,7 +136,7 @@ class BoundaryConfig:
 
     def validate(self) -> None:
         self.spec()
-        if not 0.0 <= self.p < 1.0:
+        if not all(0.0 <= p < 1.0 for p in (self.p if isinstance(self.p, list) else [self.p])):
             raise ConfigError(f"boundary.p must be in [0, 1) (the fraction of dims dropped), got {self.p}")
         if self.p_warmup < 0:
             raise ConfigError(f"boundary.p_warmup must be >= 0 steps, got {self.p_warmup}")
@@ -182,6 +187,9 @@ class BoundaryConfig:
         if self.kinds and len(self.kinds) != stages - 1:
             raise ConfigError(f"boundary.kinds lists {len(self.kinds)} kinds but the pipeline has {stages - 1} "
                               "boundaries (mesh.pp - 1): give one kind per boundary")
+        if isinstance(self.p, list) and len(self.p) != stages - 1:
+            raise ConfigError(f"boundary.p lists {len(self.p)} ratios but the pipeline has {stages - 1} boundaries "
+                              "(mesh.pp - 1): give one per boundary, or one number for all")
         for b in range(len(self.kinds)) if self.kinds else [None]:
             view = self if b is None else self.at(b)
             self._check(view.settings().check_stages, view, stages)

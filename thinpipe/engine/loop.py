@@ -325,9 +325,10 @@ def run(engine: Engine, cfg: Config, out: Path, resume: bool = False, progress: 
     rows.dash.summary(summary, t.steps - 1)
     rows.dash.close()
     b_cfg = cfg.boundary
+    kinds = "/".join(b_cfg.kinds) or b_cfg.kind
     plot_losses(rows.metrics, val_points, out / "loss.png", spec,
                 f"{cfg.model.name} on {cfg.data.name}: {summary['engine']} pp={cfg.mesh.pp} dp={cfg.mesh.dp} "
-                f"{b_cfg.kind}{'' if b_cfg.kind == 'identity' else f' p={b_cfg.p}'}")
+                f"{kinds}{'' if kinds == 'identity' else f' p={b_cfg.p}'}")
     return summary
 
 

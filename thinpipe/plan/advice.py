@@ -42,7 +42,7 @@ from pathlib import Path
 from thinpipe.config import Config, ConfigError, apply_overrides
 from thinpipe.config.boundary_kinds import IdentityKind, MaskKind  # the advice's sweep: the mask ratio
 from thinpipe.dp.kinds import DPOption, kinds
-from thinpipe.plan.planner import ARCHITECTURES, Device, activation_fraction, plan, powersgd_ratio
+from thinpipe.plan.planner import ARCHITECTURES, Device, activation_fraction, plan, powersgd_ratio, wire_bytes
 
 MAX_P = 0.95
 MAX_POWERSGD_X = 64.0
@@ -192,9 +192,12 @@ def advise(cfg: Config, device: Device, target_tps: float | None = None, max_mbp
                        f"{probe}, before training)" if probe is not None else
                        "not checked: this advice knows bytes and time, not what the setting does to the model; "
                        "run `thinpipe probe --out DIR` and pass --probe DIR/probe.json")}
+    if options is not None and max_damage < 0:
+        raise ConfigError(f"--max-damage must be >= 0 (a fraction of the dense held-out loss), got {max_damage}")
+    if isinstance(cfg.link.pp_mbps, list) and target_tps is not None and cfg.mesh.pp > 1:
+        within = None if options is None else [o for o in options if o.damage is not None and o.damage <= max_damage]
+        return _advise_per_boundary(cfg, device, target_tps, within, stable, out)
     if options is not None:
-        if max_damage < 0:
-            raise ConfigError(f"--max-damage must be >= 0 (a fraction of the dense held-out loss), got {max_damage}")
         return _advise_with_quality(cfg, device, options, meets, stable, out, max_damage)
     cands = candidates(cfg, device)
     fast_enough = [c for c in cands if meets(c.result)]
@@ -249,6 +252,98 @@ def _advise_with_quality(cfg, device, options, meets, stable, out: dict, max_dam
         parts.append("no probed setting reaches the goal")
     out["why"] = "; ".join(parts)
     return out
+
+
+def _option_fraction(cfg: Config, opt: BoundaryOption) -> float:
+    """The fraction of a dense boundary's bytes ``opt`` sends (its kind's own formula, or the probe's measure)."""
+    if opt.rho_act is not None:
+        return opt.rho_act
+    c = copy.deepcopy(cfg)
+    apply_overrides(c, {**opt.settings, "boundary.kinds": []}, source=f"plan advice ({opt.arm})")
+    return activation_fraction(c, ARCHITECTURES[cfg.model.name], wire_bytes(c))
+
+
+def _advise_per_boundary(cfg: Config, device: Device, target_tps: float, options: list[BoundaryOption] | None,
+                         stable, out: dict) -> dict:
+    """Uneven links (``link.pp_mbps`` a list): a codec per boundary (issue 54). For the least DP compression whose
+    compute and DP exchange leave time in the step the target allows, that time is shared equally by the boundaries
+    (App. J.1's serialised T_PP is their sum), and each boundary takes the least compressed option (with a probe: the
+    least damaged within the bound) whose bytes cross its own link in its share. The mask ratio is per boundary
+    (``boundary.p`` as a list); two boundaries of one kind otherwise share the kind's table, and the more compressed
+    one's hold for both (still within each share). The combined setting is planned again and must meet the target; it
+    is printed as a config for ``thinpipe train --config``."""
+    options = options if options is not None else mask_options()
+    options = sorted(options, key=lambda o: o.order)
+    K, D = cfg.mesh.pp, cfg.mesh.dp
+    S = cfg.train.batch_size * cfg.train.seq_len
+    H = ARCHITECTURES[cfg.model.name].hidden
+    fractions = {o.arm: _option_fraction(cfg, o) for o in options}
+    searched, last = 0, None
+    for dp in sorted(_dp_options(cfg), key=lambda o: o.ratio_x * o.interval):
+        base = copy.deepcopy(cfg)
+        apply_overrides(base, {**dp.overrides(), "boundary.kind": "identity", "boundary.kinds": []},
+                        source="plan advice")
+        r0 = plan(base, device)
+        budget = D * S / target_tps - r0["t_compute_s"] - r0["t_dp_s"]
+        searched += 1
+        if budget <= 0:
+            continue
+        share = budget / (K - 1)
+        chosen: list[BoundaryOption] = []
+        for b in range(K - 1):
+            rate = cfg.link.pp_mbps_at(b) * 1e6 / 8
+            fits = [o for o in options if 2 * S * H * wire_bytes(cfg) * fractions[o.arm] / rate <= share]
+            if not fits:
+                break
+            chosen.append(fits[0])
+        if len(chosen) < K - 1:
+            continue
+        sets: dict = {**dp.overrides(), "boundary.kind": "identity"}
+        for o in sorted(chosen, key=lambda o: o.order):  # the more compressed option's shared settings win
+            sets.update({k: v for k, v in o.settings.items() if k not in ("boundary.kind", "boundary.p")})
+        sets["boundary.kinds"] = [o.settings.get("boundary.kind", "identity") for o in chosen]
+        if any("boundary.p" in o.settings for o in chosen):  # the ratio is per boundary
+            sets["boundary.p"] = [float(o.settings.get("boundary.p", 0.0)) for o in chosen]
+        c = copy.deepcopy(cfg)
+        apply_overrides(c, sets, source="plan advice")
+        r = plan(c, device)
+        last = (chosen, sets, r)
+        if r["tokens_per_s"] >= target_tps and stable(r):
+            out.update(feasible=True, searched=searched, plan=r,
+                       per_boundary=[{"boundary": b, "link_mbps": cfg.link.pp_mbps_at(b), "arm": o.arm,
+                                      **({"damage": o.damage} if o.damage is not None else {})}
+                                     for b, o in enumerate(chosen)],
+                       settings={k: _value(v) for k, v in sets.items()}, config_toml=_toml(c, sets))
+            return out
+    out.update(feasible=False, searched=searched)
+    if last is None:
+        out["why"] = ("no DP setting leaves time for the pipeline at this target: the compute and the DP exchange "
+                      "alone take the step it allows; add replicas or faster devices")
+    else:
+        chosen, sets, r = last
+        out["why"] = (f"the per-link choice ({', '.join(o.arm for o in chosen)}) gives {r['tokens_per_s']:.0f} "
+                      "tokens/s: add bandwidth to the slowest links")
+    return out
+
+
+def _value(v) -> str:
+    if isinstance(v, list):
+        return "[" + ", ".join(str(x) for x in v) + "]"
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _toml(cfg: Config, sets: dict) -> str:
+    """The advice as a TOML config for ``thinpipe train --config``: the sections it sets, and the links it was for."""
+    import tomli_w
+
+    tree: dict = {}
+    for key, value in {**sets, "link.pp_mbps": cfg.link.pp_mbps, "mesh.pp": cfg.mesh.pp}.items():
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tomli_w.dumps(tree)
 
 
 def _describe(c: Candidate) -> str:

@@ -33,12 +33,21 @@ class PipelineStep:
     latency_s: float = 0.0
     schedule: str = "1f1b"
     burst_bytes: float = 0.0      # token-bucket depth of every link (0 = a pure rate)
+    # per boundary (issue 54: uneven links and a codec per boundary); empty: the single values above everywhere
+    rates: tuple[float, ...] = ()           # each boundary's bandwidth, bytes/s
+    fwd_bytes_per: tuple[float, ...] = ()   # each boundary's forward message
+    bwd_bytes_per: tuple[float, ...] = ()   # and backward
+    latencies_s: tuple[float, ...] = ()
 
 
 def simulate(p: PipelineStep) -> dict:
     """Makespan of one step and the busy fraction of the stages (1 - bubble)."""
-    if p.rate_bytes_per_s <= 0:
-        raise ValueError(f"link rate must be > 0 bytes/s, got {p.rate_bytes_per_s}")
+    if p.rate_bytes_per_s <= 0 or any(r <= 0 for r in p.rates):
+        raise ValueError(f"link rate must be > 0 bytes/s, got {p.rates or p.rate_bytes_per_s}")
+
+    def at(per: tuple[float, ...], one: float, b: int) -> float:
+        return per[b] if per else one
+
     rows = SCHEDULES[p.schedule](p.stages, p.microbatches)
     free = [0.0] * p.stages                     # when each stage is next idle
     link_free: dict[tuple[int, str], float] = {}  # (boundary, direction) -> when the link is next idle
@@ -60,16 +69,17 @@ def simulate(p: PipelineStep) -> dict:
         free[s] = done[(s, kind, m)] = end
         # the message this action produces
         if kind == "F" and s < p.stages - 1:
-            key, nbytes, to = (s, "fwd"), p.fwd_bytes, s + 1
+            key, nbytes, to = (s, "fwd"), at(p.fwd_bytes_per, p.fwd_bytes, s), s + 1
         elif kind == "B" and s > 0:
-            key, nbytes, to = (s - 1, "bwd"), p.bwd_bytes, s - 1
+            key, nbytes, to = (s - 1, "bwd"), at(p.bwd_bytes_per, p.bwd_bytes, s - 1), s - 1
         else:
             continue
+        rate = at(p.rates, p.rate_bytes_per_s, key[0])
         start = max(end, link_free.get(key, 0.0))
         idle_s = start - link_free.get(key, 0.0)
-        bucket = min(p.burst_bytes, tokens.get(key, p.burst_bytes) + idle_s * p.rate_bytes_per_s)
+        bucket = min(p.burst_bytes, tokens.get(key, p.burst_bytes) + idle_s * rate)
         tokens[key] = max(bucket - nbytes, 0.0)
-        link_free[key] = start + max(nbytes - bucket, 0.0) / p.rate_bytes_per_s
-        arrive[(to, kind, m)] = link_free[key] + p.latency_s
+        link_free[key] = start + max(nbytes - bucket, 0.0) / rate
+        arrive[(to, kind, m)] = link_free[key] + at(p.latencies_s, p.latency_s, key[0])
     makespan = max(free)
     return {"makespan_s": makespan, "busy_fraction": busy / (p.stages * makespan) if makespan > 0 else 1.0}

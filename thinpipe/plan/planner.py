@@ -135,21 +135,30 @@ PLANNED_TOKENS = 1 << 30  # a long run's tokens: the per-token figure without a 
 
 
 def activation_fraction(cfg: Config, arch: Architecture, elem_bytes: int) -> float:
-    """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends: what the configured
-    kind's boundaries, built on ``arch`` without weights, count (``Boundary.planned_bytes``: their own formula),
-    averaged over the pipeline's boundaries, each of that kind (the closed form has one rho_act for them all).
-    A kind that cannot be built without the model's weights (its ``needs_model``) is refused in one line."""
+    """rho_act: the fraction of a dense boundary's bytes (forward + backward) a step sends, averaged over the
+    pipeline's boundaries (``activation_fractions``; the closed form's one rho_act for them all)."""
+    per = activation_fractions(cfg, arch, elem_bytes)
+    return sum(f + b for f, b in per) / len(per)
+
+
+def activation_fractions(cfg: Config, arch: Architecture, elem_bytes: int) -> list[tuple[float, float]]:
+    """Per boundary, the (forward, backward) fractions of a dense boundary's bytes (forward + backward) a step sends:
+    what its kind (``boundary.kinds[b]`` or ``boundary.kind``), built on ``arch`` without weights, counts
+    (``Boundary.planned_bytes``: the kind's own formula). A kind that cannot be built without the model's weights
+    (its ``needs_model``) is refused in one line."""
     from thinpipe.boundary import build_boundaries  # torch: only when a boundary is planned (plan/device.py)
 
-    spec = cfg.boundary.spec()
-    if spec.needs_model:
-        able = ", ".join(name for name, kind in BOUNDARY_KINDS.items() if not kind.needs_model)
-        raise ConfigError(f"thinpipe plan models boundary.kind = {able}, not {cfg.boundary.kind!r}: "
-                          f"{spec.needs_model}; `thinpipe probe` measures its bytes")
+    stages = max(cfg.mesh.pp, 2)
+    for b in range(stages - 1):
+        spec = cfg.boundary.spec(cfg.boundary.kind_at(b) if cfg.boundary.kinds else None)
+        if spec.needs_model:
+            able = ", ".join(name for name, kind in BOUNDARY_KINDS.items() if not kind.needs_model)
+            raise ConfigError(f"thinpipe plan models boundary.kind = {able}, not {spec.name!r}: "
+                              f"{spec.needs_model}; `thinpipe probe` measures its bytes")
     every = replace(cfg.boundary, masked=[])
-    boundaries = build_boundaries(every, max(cfg.mesh.pp, 2), arch.hidden, 0, None)
+    boundaries = build_boundaries(every, stages, arch.hidden, 0, None)
     dense = 2 * PLANNED_TOKENS * arch.hidden * elem_bytes
-    return sum(sum(b.planned_bytes(PLANNED_TOKENS, elem_bytes)) for b in boundaries) / (len(boundaries) * dense)
+    return [(f / dense, bw / dense) for f, bw in (b.planned_bytes(PLANNED_TOKENS, elem_bytes) for b in boundaries)]
 
 
 def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf_h: float | None = None,
@@ -166,7 +175,7 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
                           f"{', '.join(sorted(ARCHITECTURES))}")
     if m.pp > arch.layers:
         raise ConfigError(f"mesh.pp = {m.pp} stages but {cfg.model.name} has {arch.layers} layers")
-    if link.pp_mbps <= 0 or (link.dp_mbps <= 0 and (m.dp > 1 or m.anchor)):
+    if link.pp_mbps_min <= 0 or (link.dp_mbps <= 0 and (m.dp > 1 or m.anchor)):
         raise ConfigError("thinpipe plan needs link bandwidths: set link.pp_mbps (and link.dp_mbps with several "
                           "replicas or an anchor) in Mbit/s")
     K, D, N, H = m.pp, m.dp, arch.params, arch.hidden
@@ -177,13 +186,18 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     # PP and the anchor's pull / push (anchor/codec.py casts them to it): the wire dtype, which
     # boundary.dtype may set apart from train.dtype
     b_act = wire_bytes(cfg)
-    B_pp, B_dp = link.pp_mbps * 1e6 / 8, (link.dp_mbps or link.pp_mbps) * 1e6 / 8
-    rho_act = activation_fraction(cfg, arch, b_act) if rho_act is None else rho_act
+    B_pp, B_dp = link.pp_mbps_min * 1e6 / 8, (link.dp_mbps or link.pp_mbps_min) * 1e6 / 8
+    # per boundary: its link's bandwidth and its kind's fractions (forward, backward); one of each everywhere unless
+    # link.pp_mbps or boundary.kinds lists them
+    rates = [link.pp_mbps_at(b) * 1e6 / 8 for b in range(max(K - 1, 1))]
+    per = (activation_fractions(cfg, arch, b_act) if rho_act is None else [(rho_act / 2, rho_act / 2)] * len(rates))
+    rho_act = sum(f + bw for f, bw in per) / len(per)
     # the DP scheme describes its own exchange (dp/kinds.py): bytes over dense, steps per exchange
     scheme = describe(d.kind)
     rho_dp, tau = scheme.wire_ratio(d, arch.trained_matrices(t.lora)), scheme.sync_interval(d)
     t_compute = cf.t_compute_s(arch.active_params, S, K, device.peak_flops, device.mfu)  # a MoE: active experts
-    t_pp = cf.t_pp_s(K, S, H, b_act, rho_act, B_pp)
+    # App. J.1's T_PP, each boundary's bytes over its own link (equal to 2 (K-1) S H b rho / B when they are alike)
+    t_pp = sum(cf.t_pp_s(2, S, H, b_act, f + bw, r) for (f, bw), r in zip(per, rates)) if K > 1 else 0.0
     t_dp = cf.t_dp_s(D, N_train, b, rho_dp, tau, B_dp)
     serial = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=False)
     overlapped = cf.step_time_s(t_compute, t_pp, t_dp, overlapped=True)
@@ -191,14 +205,20 @@ def plan(cfg: Config, device: Device, rho_act: float | None = None, replica_mtbf
     M = t.microbatches
     dense_pp = 2 * (K - 1) * H * b_act  # Dense's bytes per token on this wire, forward + backward
 
-    def pipeline(rate: float) -> dict:
+    def pipeline(share: float) -> dict:
+        """The schedule with every link's rate divided by ``share`` (1: alone; D: shared by D replicas)."""
         return simulate(PipelineStep(K, M, t_compute / M / 3, 2 * t_compute / M / 3, S / M * H * b_act * rho_act,
-                                     S / M * H * b_act * rho_act, rate, link.pp_latency_ms / 1e3, t.schedule))
+                                     S / M * H * b_act * rho_act, B_pp / share,
+                                     link.pp_latency_ms_at(0) / 1e3, t.schedule,
+                                     rates=tuple(r / share for r in rates),
+                                     fwd_bytes_per=tuple(S / M * H * b_act * 2 * f for f, _ in per),
+                                     bwd_bytes_per=tuple(S / M * H * b_act * 2 * bw for _, bw in per),
+                                     latencies_s=tuple(link.pp_latency_ms_at(b) / 1e3 for b in range(len(rates)))))
 
-    pipe = pipeline(B_pp)
+    pipe = pipeline(1)
     # One NIC per stage position carrying all D replicas' traffic for that boundary: D flows in
     # lockstep share it fairly (as TCP flows do), so each replica's transfers see B / D.
-    shared = pipeline(B_pp / D)
+    shared = pipeline(D)
     out = {
         "source": "closed form (anchor-priors App. J.1; anchor cycle App. H.1-H.4)",
         "device_source": device.source, "device_flops": device.peak_flops * device.mfu,

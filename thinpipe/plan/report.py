@@ -100,6 +100,19 @@ def print_advice(advice: dict, device: str, as_json: bool) -> int:
         print(f"no setting meets it: {advice['why']}")
         return 1
     r = advice["plan"]
+    if "per_boundary" in advice:  # uneven links: a codec per boundary, as a config for `thinpipe train --config`
+        print("a codec per boundary, the least compression each link needs:")
+        for pb in advice["per_boundary"]:
+            print(f"  boundary {pb['boundary']} ({pb['link_mbps']:g} Mbit/s): {pb['arm']}"
+                  + (f" (forward damage {pb['damage']:+.2%})" if "damage" in pb else ""))
+        print("as a config (save it and pass it: thinpipe train --config advice.toml):")
+        print(advice["config_toml"].rstrip())
+        r = {**r, "dp_compression_x": r.get("dp_compression_x", 1.0),
+             "bytes_per_token_total": sum(r["bytes_per_token"].values())}
+        print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
+              f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP "
+              f"{r['t_dp_s']:.3f}")
+        return 0
     print("least compression that meets it:  " + " ".join(f"--set {k}={v}" for k, v in advice["settings"].items()))
     print(f"  tokens/s {r['tokens_per_s']:.0f} (overlapped {r['tokens_per_s_overlapped']:.0f}), step "
           f"{r['step_time_s']:.3f} s = compute {r['t_compute_s']:.3f} + PP {r['t_pp_s']:.3f} + DP {r['t_dp_s']:.3f}, "

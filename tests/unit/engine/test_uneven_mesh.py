@@ -161,3 +161,11 @@ def test_measuring_leaves_the_runs_random_draws_alone():
     measure(load_config(None, ["model.name=tiny-llama", "mesh.pp=2"]), tiny_config("llama"), 1, torch.device("cpu"),
             INF)
     assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_a_mask_ratio_per_boundary():
+    cfg = config(model__name="tiny-llama", mesh__pp=3, boundary__kind="mask", boundary__p=[0.5, 0.9])
+    mesh = SimMesh(tiny_model("llama"), cfg)
+    assert [b.p for b in mesh.boundaries] == [0.5, 0.9]
+    with pytest.raises(ConfigError, match="boundary.p lists 1 ratios but the pipeline has 2 boundaries"):
+        config(mesh__pp=3, boundary__kind="mask", boundary__p=[0.5])

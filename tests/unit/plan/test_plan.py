@@ -577,3 +577,34 @@ def test_a_mixture_of_experts_computes_with_its_active_experts_only():
     S = cfg.train.batch_size * cfg.train.seq_len
     assert out["t_compute_s"] == pytest.approx(cf.t_compute_s(arch.active_params, S, 4, device.peak_flops, device.mfu))
     assert out["params"] == arch.params and out["active_params"] == arch.active_params
+
+
+def test_a_link_per_boundary_sums_each_boundarys_time():
+    """link.pp_mbps as a list: T_PP is each boundary's bytes over its own link (equal lists give the scalar's plan), and
+    the schedule simulation waits on the slow link."""
+    same = _plan(**{"link__pp_mbps": [200.0] * 7})
+    one = _plan()
+    assert same["t_pp_s"] == pytest.approx(one["t_pp_s"]) and same["des_pipeline_s"] == pytest.approx(
+        one["des_pipeline_s"])
+    slow = _plan(**{"link__pp_mbps": [200.0, 200.0, 40.0, 200.0, 200.0, 200.0, 200.0]})
+    assert slow["t_pp_s"] == pytest.approx(one["t_pp_s"] * (6 + 5) / 7)  # one boundary 5x slower
+    assert slow["des_pipeline_s"] > one["des_pipeline_s"]
+
+
+def test_uneven_links_get_a_codec_per_boundary_as_a_config_train_takes(tmp_path, capsys):
+    """plan --target-tps on uneven links: each boundary the least compression its own link needs (the slow one more),
+    printed as a TOML config that loads, and planned again to meet the target."""
+    from thinpipe.plan.advice import advise
+
+    cfg = load_config(None, [f"{k}={v}" for k, v in PRESETS["paper-llama1b"].items()] +
+                      ["link.pp_mbps=[200, 200, 40, 200, 200, 200, 200]", "dp.kind=diloco"])
+    out = advise(cfg, DEVICES["a100-40gb"], target_tps=9000)
+    assert out["feasible"] and out["plan"]["tokens_per_s"] >= 9000
+    ps = [float(a["arm"].split("=")[1]) for a in out["per_boundary"]]
+    assert ps[2] > max(ps[:2] + ps[3:]) and len(set(ps[:2] + ps[3:])) == 1
+    (tmp_path / "advice.toml").write_text(out["config_toml"])
+    loaded = load_config(tmp_path / "advice.toml")
+    assert loaded.boundary.kinds == ["mask"] * 7 and loaded.boundary.p == ps and loaded.link.pp_mbps[2] == 40
+    assert main(["plan", "--preset", "paper-llama1b", "--set", "link.pp_mbps=[200, 200, 40, 200, 200, 200, 200]",
+                 "--set", "dp.kind=diloco", "--target-tps", "9000"]) == 0
+    assert "boundary 2 (40 Mbit/s): mask p=0.95" in capsys.readouterr().out
