@@ -146,7 +146,7 @@ class MeshLinks:
         self.dp_mbps = 0.0 if self.kernel else lk.dp_mbps
         self.dp_latency_ms = lk.dp_latency_ms
         self.stage_of, self.me = stage_of, me
-        self._pp: dict[int, ShapedLink] = {}
+        self._pp: dict[int, ShapedLink | None] = {}
         self._anchor: dict[int, ShapedLink] = {}
 
     def boundary(self, peer: int) -> int | None:

@@ -132,7 +132,7 @@ class Stage(nn.Module):
         self.embed_tokens, self.norm, self.lm_head = embed_tokens, norm, lm_head
         self.tied_embeddings = False
         # a mixture of experts' load-balancing loss over this stage's routers (models/router_loss.py); the sum of its
-        # values since the engine last read it (``take_router_aux``), weighted by each microbatch's token share
+        # values since the engine last read it (``take_router_aux``), weighted by each microbatch's share of its step
         self.router, self._router_aux = router, 0.0
         # Parameters of the boundaries this stage owns (a MAPL projector, a MAPL stage offset, the SSN
         # basis): they train, sync and checkpoint with the stage but are not part of the HF model.
@@ -194,7 +194,8 @@ class Stage(nn.Module):
         then (B, 1, T, cached + T) and ``ctx.position_ids`` the new tokens' positions.
 
         ``router_aux``: a list to append this stage's router loss term to (a training forward of a mixture of experts,
-        ``models/router_loss.py``), already multiplied by ``router_aux_loss_coef`` and the microbatch's token share."""
+        ``models/router_loss.py``), already multiplied by ``router_aux_loss_coef`` and the microbatch's share of the
+        step (``ctx.share``)."""
         router = self.router if router_aux is not None and cache is None and torch.is_grad_enabled() else None
         if router is None:
             return self._layers(x, ctx, cache)
@@ -203,7 +204,7 @@ class Stage(nn.Module):
         docs = ctx.attn_mask if isinstance(ctx.attn_mask, Documents) else None
         aux = captured.loss(None if docs is None or docs.segment_ids is None else docs.segment_ids < 0)
         if aux is not None:
-            share = float((ctx.labels[:, 1:] != -100).sum()) * ctx.loss_scale
+            share = getattr(ctx, "share", 1.0)  # the microbatch's share of its step (rank/context.py)
             self._router_aux += float(aux.detach()) * share
             if router.train:
                 router_aux.append(aux * (router.coef * share))

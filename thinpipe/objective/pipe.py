@@ -96,7 +96,7 @@ def chunk_contexts(batch: dict, rows: int, step: int, replica: int, loss_scale: 
         pos, mask = positions_and_mask(seg)
         keys = row_keys[sl] if row_keys is not None else None
         out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, loss_scale, row_keys=keys,
-                                     extras={"segment_ids": seg}))
+                                     extras={"segment_ids": seg}, share=ids.shape[0] / n))
     return out
 
 

@@ -281,7 +281,7 @@ def _advise_per_boundary(cfg: Config, device: Device, target_tps: float, options
     searched, last = 0, None
     for dp in sorted(_dp_options(cfg), key=lambda o: o.ratio_x * o.interval):
         base = copy.deepcopy(cfg)
-        apply_overrides(base, {**dp.overrides(), "boundary.kind": "identity", "boundary.kinds": []},
+        apply_overrides(base, {**dp.overrides(), "boundary.kind": IdentityKind.name, "boundary.kinds": []},
                         source="plan advice")
         r0 = plan(base, device)
         budget = D * S / target_tps - r0["t_compute_s"] - r0["t_dp_s"]
@@ -298,10 +298,10 @@ def _advise_per_boundary(cfg: Config, device: Device, target_tps: float, options
             chosen.append(fits[0])
         if len(chosen) < K - 1:
             continue
-        sets: dict = {**dp.overrides(), "boundary.kind": "identity"}
+        sets: dict = {**dp.overrides(), "boundary.kind": IdentityKind.name}
         for o in sorted(chosen, key=lambda o: o.order):  # the more compressed option's shared settings win
             sets.update({k: v for k, v in o.settings.items() if k not in ("boundary.kind", "boundary.p")})
-        sets["boundary.kinds"] = [o.settings.get("boundary.kind", "identity") for o in chosen]
+        sets["boundary.kinds"] = [o.settings.get("boundary.kind", IdentityKind.name) for o in chosen]
         if any("boundary.p" in o.settings for o in chosen):  # the ratio is per boundary
             sets["boundary.p"] = [float(o.settings.get("boundary.p", 0.0)) for o in chosen]
         c = copy.deepcopy(cfg)

@@ -36,6 +36,9 @@ class MicrobatchContext:
     # position) alone, so a sequence gets the same masks in whatever microbatch it lands (RL's old-log-prob and
     # update forwards). None: the key of (step, microbatch, replica) and the flat token index (the next-token loss).
     row_keys: torch.Tensor | None = None
+    # This microbatch's share of its step: a per-step mean that is not the loss's own normaliser (a mixture of experts'
+    # router loss, models/router_loss.py) weighs it by this; the shares of a step's microbatches sum to 1.
+    share: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -58,5 +61,6 @@ def make_contexts(batch: dict, microbatches: int, step: int, replica: int) -> li
                                                batch["labels"].chunk(microbatches),
                                                batch["segment_ids"].chunk(microbatches))):
         pos, mask = positions_and_mask(seg)
-        out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, scale))
+        out.append(MicrobatchContext(step, m, replica, ids, labels, pos, mask, scale,
+                                     share=int((labels[:, 1:] != -100).sum()) * scale if n_loss else 1 / microbatches))
     return out

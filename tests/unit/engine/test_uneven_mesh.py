@@ -169,3 +169,33 @@ def test_a_mask_ratio_per_boundary():
     assert [b.p for b in mesh.boundaries] == [0.5, 0.9]
     with pytest.raises(ConfigError, match="boundary.p lists 1 ratios but the pipeline has 2 boundaries"):
         config(mesh__pp=3, boundary__kind="mask", boundary__p=[0.5])
+
+
+def test_top_follows_a_running_job_until_its_summary(tmp_path, capsys):
+    """A running job (config.toml, rows arriving, no summary yet): the table is drawn again at each new step, and top
+    exits 0 once summary.json appears."""
+    import threading
+    import time
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text("")
+
+    def row(step: int, rank: int) -> str:
+        return json.dumps({"step": step, "rank": rank, "replica": 0, "stage": rank, "compute_s": 0.1 * (rank + 1),
+                           "wait_s": {str(1 - rank): 0.01}, "send_mbps": {"0": 50.0 + rank}}) + "\n"
+
+    def job() -> None:
+        with open(run / "ranks.jsonl", "a") as f:
+            for step in range(3):
+                f.write(row(step, 0) + row(step, 1))
+                f.flush()
+                time.sleep(0.3)
+        (run / "summary.json").write_text(json.dumps({"slowest_rank": 1, "slowest_link": 0}))
+
+    t = threading.Thread(target=job)
+    t.start()
+    assert main(["top", str(run), "--interval", "0.05"]) == 0
+    t.join()
+    out = capsys.readouterr().out
+    assert "step 1 (" in out and "step 3 (3 steps recorded)" in out and "finished: slowest rank 1, slowest link 0" in out
