@@ -22,6 +22,7 @@ import torch
 from tests.helpers import assert_same_model, assert_same_model_folder, assert_same_run_files
 from thinpipe.checkpoint import load_part, sets
 from thinpipe.cli import main
+from thinpipe.config import load_config
 
 BASE = ["--set", "data.name=synthetic", "--set", "train.steps=3", "--set", "train.batch_size=2",
         "--set", "train.seq_len=32", "--set", "train.microbatches=2", "--set", "train.lr=1e-3",
@@ -588,3 +589,20 @@ def test_ssn_basis_refresh_in_dist_matches_the_simulation(tmp_path, one_thread):
     (dl, dv, db, _), (sl, sv, sb, _) = results(tmp_path / "dist"), results(tmp_path / "sim")
     assert db == sb and db["pp_params_bytes"] == 2 * 2 * 2 * 2 * 64 * 16 * 4  # 2 refreshes x dp x 2(pp-1) x U
     assert dl == pytest.approx(sl, rel=1e-5) and dv == pytest.approx(sv, rel=1e-5)
+
+
+@pytest.mark.dist
+def test_auto_split_gives_a_slowed_rank_fewer_layers(tmp_path):
+    """mesh.split = auto on real processes, rank 1 slowed 4x (THINPIPE_SLOW_RANK, in its start-up measurement as in
+    training): it takes 1 of tiny-llama's 4 layers; config.toml holds the split, summary.json the measurements, and
+    ranks.jsonl and the summary name the slowed rank (benchmarks/uneven_split.py measures the step time gained)."""
+    out = tmp_path / "d"
+    r = launch(2, out, [*BASE, "--set", "model.name=tiny-llama", "--set", "mesh.pp=2", "--set", "mesh.split=auto"],
+               THINPIPE_SLOW_RANK="1:4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert load_config(out / "config.toml").mesh.split == s["split_auto"]["split"] == [3, 1]
+    stage1 = [m for m in s["split_auto"]["measures"] if m["stage"] == 1][0]
+    stage0 = [m for m in s["split_auto"]["measures"] if m["stage"] == 0][0]
+    assert stage1["layer_s"] > 2 * stage0["layer_s"]
+    assert s["slowest_rank"] == 1

@@ -3,7 +3,7 @@ shapes, before it loads its stage.
 
 The model measured is a 3-layer model of the run's config at random (only times and sizes are read): its middle
 stage is one decoder layer without ends, its first and last stages add the embedding or the norm, head and loss.
-Each is timed forward + backward, the median of a few runs after a warm-up, at one microbatch; a rank slowed by
+Each is timed forward + backward, the least of a few runs after a warm-up, at one microbatch; a rank slowed by
 ``THINPIPE_SLOW_RANK`` sleeps as its training compute does (``rank/timing.py``), so it measures itself slower.
 """
 
@@ -22,6 +22,7 @@ from thinpipe.models.auto_split import Measure, choose_split, stage_measures, su
 from thinpipe.models.families import family_of
 from thinpipe.models.lora import apply_lora
 from thinpipe.models.stages import build_stages
+from thinpipe.placement import local_rank
 from thinpipe.rank.context import make_contexts
 from thinpipe.rank.from_config import configure_stage, load_empty
 
@@ -127,14 +128,24 @@ def free_memory_bytes(device: torch.device, ranks_here: int) -> float:
 
 
 def agree_split(cfg, layout, role, device) -> dict:
-    """``mesh.split = "auto"`` on a real mesh: every process measures itself (``measure``), the measurements are
-    gathered (float64 tensors over the world's gloo group: no pickle), and each process computes the same split from
-    the fast ranks' (``choose_split``), which replaces ``auto`` in ``cfg.mesh.split``. Returns ``summary.json``'s
-    ``split_auto``. An anchor rank measures too (the collective needs every process) but its row does not vote: the
-    fast circuit sets the pace."""
+    """``mesh.split = "auto"`` on a real mesh: every process measures itself (``measure``; the processes of one
+    machine one at a time), the measurements are gathered (float64 tensors over the world's gloo group: no pickle),
+    and each process computes the same split from the fast ranks' (``choose_split``), which replaces ``auto`` in
+    ``cfg.mesh.split``. Returns ``summary.json``'s ``split_auto``. An anchor rank measures too (the collective needs
+    every process) but its row does not vote: the fast circuit sets the pace."""
     model_config = load_empty(cfg).model.config
     here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    mine = measure(cfg, model_config, role.stage, device, free_memory_bytes(device, here), slow_factor(role.rank))
+    # The ranks of one machine measure in turn (they share its cores and memory bandwidth: measured at once, each
+    # would time the others' load); machines measure at once. Every rank takes every turn's barrier.
+    turns = torch.tensor([here], dtype=torch.int64)
+    dist.all_reduce(turns, op=dist.ReduceOp.MAX)
+    mine = None
+    for turn in range(int(turns)):
+        if local_rank() == turn:
+            mine = measure(cfg, model_config, role.stage, device, free_memory_bytes(device, here),
+                           slow_factor(role.rank))
+        dist.barrier()
+    assert mine is not None, f"local rank {local_rank()} is not below LOCAL_WORLD_SIZE {here}"
     t = torch.tensor(mine.as_list(), dtype=torch.float64)
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
