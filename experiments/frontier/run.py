@@ -122,6 +122,8 @@ ARMS = {
     # KLTe's three seeds: +0.61 / +1.50 / +1.71%; more forward bits (the probe's forward cosine picks among them)
     **{f"KLTe {lb:g}-{cb:g}b-1b T{round(t * 100)}": kltd(lb, cb, t, dither=False) for lb, cb, t in
        ((3.5, 2, 0.5), (4, 2, 0.5), (4, 3, 0.5), (4.5, 3, 0.5))},
+    # 4-3b did no better than 3.2-2b: what the KLT arms share against LM 4b-1b tok is the half-token backward
+    "KLTe 3.2-2b-1b T100": kltd(3.2, 2.0, 1.0, dither=False),
 }
 
 
