@@ -113,10 +113,11 @@ def main() -> None:
     texts.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     summary_file = run / "summary.json"
     reuse = args.reuse and summary_file.is_file() and (export / "config.json").is_file()
-    train_s = None if reuse else thinpipe("train", "--out", str(run), "--quiet", "--set", f"model.name={gguf}", "--set", "mesh.pp=2",
-                       "--set", "train.lora.rank=8", "--set", f"train.steps={args.steps}", "--set", "train.seq_len=128",
-                       "--set", "train.batch_size=4", "--set", "train.microbatches=2", "--set", "train.lr=2e-4",
-                       "--set", f"eval.every={args.steps}", "--set", "train.checkpoint_every=0")
+    sets = {"model.name": str(gguf), "mesh.pp": 2, "train.lora.rank": 8, "train.steps": args.steps,
+            "train.seq_len": 128, "train.batch_size": 4, "train.microbatches": 2, "train.lr": 2e-4,
+            "eval.every": args.steps, "train.checkpoint_every": 0}
+    train_s = None if reuse else thinpipe("train", "--out", str(run), "--quiet",
+                                          *(x for k, v in sets.items() for x in ("--set", f"{k}={v}")))
     export_s = None if reuse else thinpipe("export", "--run", str(run), "--out", str(export), "--overwrite")
     out = subprocess.run([sys.executable, "-m", "thinpipe", "eval", "--model", str(export), "--perplexity",
                           str(texts), "--set", "mesh.pp=2", "--json"], check=True, cwd=ROOT, capture_output=True,

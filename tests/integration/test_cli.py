@@ -147,7 +147,7 @@ def test_bad_input_through_the_real_entry_point():
 def test_demo_quick_runs_all_arms(tmp_path, capsys):
     assert main(["demo", "--quick", "--out", str(tmp_path / "demo")]) == 0
     out = capsys.readouterr().out
-    for arm in ("Dense", "M95", "M95+AP", "Outlier LM 4b-1b"):
+    for arm in ("Dense", "M95", "M95+AP", "KLTe 3.2-2b T100"):
         assert f"\n{arm} " in out
     assert "within 1% of Dense's held-out loss on 1 seed (seed 0): " in out and "against Dense's fp32 wire" in out
     assert (tmp_path / "demo" / "demo_summary.json").is_file() and (tmp_path / "demo" / "demo_loss.png").is_file()
