@@ -50,9 +50,3 @@ class StepTimes:
         self.compute_s, self.wait_s = 0.0, {}
         return out
 
-
-def slowed(seconds: float, factor: float) -> float:
-    """Sleep so that a piece of compute that took ``seconds`` takes ``factor`` times as long; the total."""
-    if factor > 1.0:
-        time.sleep(seconds * (factor - 1.0))
-    return seconds * max(factor, 1.0)
