@@ -124,6 +124,12 @@ ARMS = {
        ((3.5, 2, 0.5), (4, 2, 0.5), (4, 3, 0.5), (4.5, 3, 0.5))},
     # 4-3b did no better than 3.2-2b: what the KLT arms share against LM 4b-1b tok is the half-token backward
     "KLTe 3.2-2b-1b T100": kltd(3.2, 2.0, 1.0, dither=False),
+    # toward 10x (<= 691 B/token): what fewer forward bits cost with every token's gradient
+    "KLTe 2.8-1.5b-1b T100": kltd(2.8, 1.5, 1.0, dither=False),
+    # T50's top-K by norm is biased (small-gradient tokens never cross); "s": half the tokens drawn, unbiased
+    # (boundary.klt-dither.bwd_select = sample: kept with probability ~ norm, scaled by its inverse; the same bytes)
+    **{f"KLTe {lb:g}-{cb:g}b-1b T{round(t * 100)}s": kltd(lb, cb, t, dither=False, bwd_select="sample")
+       for lb, cb, t in ((2.8, 1.5, 0.5), (3.2, 2, 0.5))},
 }
 
 

@@ -63,13 +63,14 @@ CASES = {
                                                  "--set", "boundary.kind=aqsgd", "--set", "data.max_examples=2",
                                                  "--set", "train.steps=5"]),
     # Outlier channels calibrated on replica 0's sender and broadcast; rotated 2-bit tiles forward on issue 26's
-    # Lloyd-Max grid, a token-sparse 1-bit backward (the receiver's bitmap of the kept tokens crosses with
-    # their codes).
-    "outlier channels + Lloyd-Max + token-sparse backward, 2 replicas x 3 stages": (6, [
+    # Lloyd-Max grid, entropy coded (payloads of the data's length), a token-sparse 1-bit backward (the receiver's
+    # bitmap of the kept tokens crosses with their codes).
+    "outlier channels + Lloyd-Max entropy coded + token-sparse backward, 2 replicas x 3 stages": (6, [
         "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "mesh.dp=2", "--set", "boundary.kind=outlier",
         "--set", "boundary.outlier_channels=4", "--set", "boundary.quant_group=16",
         "--set", "boundary.outlier_grid=lloyd-max", "--set", "boundary.outlier_bwd_scale_group=-1",
-        "--set", "boundary.bwd_bits=1", "--set", "boundary.outlier_bwd_tokens=0.5"]),
+        "--set", "boundary.bwd_bits=1", "--set", "boundary.outlier_bwd_tokens=0.5",
+        "--set", "boundary.outlier_entropy=true"]),
     # Issue 36's KLT codec: the basis fitted by replica 0's sender, broadcast (metered on pp_params) to both
     # ends of every replica; loss tokens 3 bits/dim, the others 1 (payload shapes follow the labels); at step 2
     # both ends of each replica refit the basis and fit the gradient's own from the decoded data they hold.
@@ -78,10 +79,12 @@ CASES = {
         "--set", "boundary.quant_group=16", "--set", "boundary.klt_bits=3", "--set", "boundary.klt_context_bits=1",
         "--set", "boundary.klt_refresh_every=2", "--set", "train.steps=4"]),
     # Issue 52's unbiased, entropy-coded forward: both ends draw the dither from the PRF, the coded streams'
-    # lengths vary with the data and are metered as coded (the same bytes on the wire as in the simulation).
-    "klt-dither, 3 stages": (3, [
+    # lengths vary with the data and are metered as coded (the same bytes on the wire as in the simulation); the
+    # half-token backward drawn (unbiased) by each gradient's sender.
+    "klt-dither, sampled backward, 3 stages": (3, [
         "--set", "model.name=tiny-llama", "--set", "mesh.pp=3", "--set", "boundary.kind=klt-dither",
-        "--set", "boundary.quant_group=16", "--set", "train.steps=3"]),
+        "--set", "boundary.quant_group=16", "--set", "boundary.klt-dither.bwd_select=sample",
+        "--set", "train.steps=3"]),
     # The bottleneck's halves are stage parameters: DP-averaged like the rest, evaluated through.
     # also a checkpoint and a held-out loss every 2 steps (the rows' val_loss, the checkpoint mid-run)
     "bottleneck, 2 replicas x 2 stages": (4, ["--set", "model.name=tiny-llama", "--set", "mesh.pp=2",

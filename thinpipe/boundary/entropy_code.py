@@ -64,8 +64,30 @@ def encode(indices: torch.Tensor, spread: torch.Tensor) -> torch.Tensor:
     s = spread.expand_as(indices).reshape(-1).to(torch.float64).numpy()
     coder = constriction.stream.stack.AnsCoder()
     coder.encode_reverse(q, _model(), np.zeros_like(s), s)
+    return _framed(coder, q)
+
+
+def _framed(coder, q: np.ndarray) -> torch.Tensor:
     words = np.append(coder.get_compressed(), np.uint32(_crc(q))).astype("<u4", copy=False)
     return torch.from_numpy(words.view(np.uint8).copy())
+
+
+def _categorical(probabilities: tuple[float, ...]):
+    return constriction.stream.model.Categorical(np.asarray(probabilities, dtype=np.float64), perfect=False)
+
+
+def encode_categorical(codes: torch.Tensor, probabilities: tuple[float, ...]) -> torch.Tensor:
+    """Codes in [0, len(probabilities)) (any shape) entropy coded under one fixed categorical model both ends know
+    (``outlier.entropy``: the Lloyd-Max cells' probabilities), framed as ``encode``'s (whole words, a CRC word)."""
+    q = codes.reshape(-1).to(torch.int32).numpy()
+    coder = constriction.stream.stack.AnsCoder()
+    coder.encode_reverse(q, _categorical(probabilities))
+    return _framed(coder, q)
+
+
+def decode_categorical(data: torch.Tensor, probabilities: tuple[float, ...], count: int, what: str) -> torch.Tensor:
+    """The ``count`` codes ``encode_categorical`` coded into ``data`` (int64), refused in one line as ``decode``'s."""
+    return _decoded(data, count, what, lambda coder: coder.decode(_categorical(probabilities), count))
 
 
 def _crc(q: np.ndarray) -> int:
@@ -75,30 +97,40 @@ def _crc(q: np.ndarray) -> int:
 def decode(data: torch.Tensor, spread: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
     """The indices ``encode`` coded into ``data`` (``shape``, int64, under the same ``spread``); a payload that is
     not whole words, or that does not decode to exactly its end, is refused in one line naming ``what``."""
-    n = math.prod(shape)
+    s = spread.expand(shape).reshape(-1).to(torch.float64).numpy()
+    return _decoded(data, math.prod(shape), what, lambda coder: coder.decode(_model(), np.zeros_like(s), s)).reshape(
+        shape)
+
+
+def _decoded(data: torch.Tensor, n: int, what: str, decode_with) -> torch.Tensor:
+    """The n indices of a framed stream (1-D int64): its words checked before the coder reads them, its CRC after."""
     if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 4 or data.numel() > max_coded_bytes(n):
         raise PayloadError(f"{what}: an entropy-coded payload of {data.numel()} bytes is not whole 32-bit words of at "
                            f"most {max_coded_bytes(n)} bytes")
     words = data.numpy().view("<u4").astype(np.uint32)
     if words.size < 2:
         raise PayloadError(f"{what}: an entropy-coded payload of {data.numel()} bytes holds no coded indices")
-    s = spread.expand(shape).reshape(-1).to(torch.float64).numpy()
     try:
         coder = constriction.stream.stack.AnsCoder(words[:-1].copy())
-        q = np.asarray(coder.decode(_model(), np.zeros_like(s), s), dtype=np.int32)
+        q = np.asarray(decode_with(coder), dtype=np.int32).reshape(-1)
         exact = coder.is_empty() and _crc(q) == int(words[-1])
     except Exception as e:  # constriction raises on a stream it cannot decode
         raise PayloadError(f"{what}: the entropy-coded payload does not decode ({type(e).__name__})") from None
     if not exact:
         raise PayloadError(f"{what}: the entropy-coded payload does not decode to its indices (cut, padded or "
                            "altered: its CRC-32 differs)")
-    return torch.from_numpy(q.astype(np.int64)).reshape(shape)
+    return torch.from_numpy(q.astype(np.int64))
 
 
 def max_coded_bytes(indices: int) -> int:
     """An upper bound on ``encode``'s bytes for ``indices`` indices: ``PRECISION_BITS`` each, in 32-bit words, plus
     the coder's initial state (two words) and the CRC (one)."""
     return 4 * (math.ceil(indices * PRECISION_BITS / 32) + 3)
+
+
+def categorical_bits(probabilities: tuple[float, ...]) -> float:
+    """Bits per code a categorical model expects of codes drawn from it (its entropy)."""
+    return -sum(p * math.log2(p) for p in probabilities if p > 0)
 
 
 def entropy_bits(step: float, dithered: bool) -> float:

@@ -99,15 +99,16 @@ class KltBoundary(KltRefresh, OutlierBoundary):
     def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
         own = cfg.settings()
         return cls(index, hidden_size, own.bits, own.context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
-                   channels=own.channels, bwd_tokens=own.bwd_tokens, refresh_every=own.refresh_every,
+                   channels=own.channels, bwd_tokens=own.bwd_tokens, bwd_select=own.bwd_select,
+                   refresh_every=own.refresh_every,
                    scale=own.scale, basis_dtype=own.basis_dtype, noise_equivalent=own.noise_equivalent, seed=seed)
 
     def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
                  group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 1.0,
-                 refresh_every: int = 0, scale: str = "width", basis_dtype: str = "bfloat16",
+                 bwd_select: str = "top", refresh_every: int = 0, scale: str = "width", basis_dtype: str = "bfloat16",
                  noise_equivalent: bool = False, seed: int = 0):
         super().__init__(index, hidden_size, channels, 1, bwd_bits, group, wire_dtype, intact_dtype=BASIS_DTYPE,
-                         grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
+                         grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens, bwd_select=bwd_select, seed=seed)
         if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
             raise ValueError(f"boundary.klt.bits and boundary.klt.context_bits must be in (0, {MAX_BITS}], got "
                              f"{loss_bits} and {context_bits}")
@@ -255,20 +256,14 @@ class KltBoundary(KltRefresh, OutlierBoundary):
             payload = super().encode_grad(g, ctx)
         else:
             flat = g.detach().float().reshape(-1, self.hidden_size)
-            keep = self._keep(flat)
-            scale, codes = code((flat[keep] @ self.gbasis.float()) / self.gstd.float(), self.gbits, self.per_width)
+            keep, factor = self._select(flat, ctx)
+            z = ((flat[keep] * factor[keep, None]) @ self.gbasis.float()) / self.gstd.float()
+            scale, codes = code(z, self.gbits, self.per_width)
             payload = Payload({**({"tokens": pack_bits(keep, 1)} if self.bwd_tokens < 1 else {}),
                                "scale": scale, "codes": codes})
         if self.refresh_every and (ctx.microbatch, "bwd") not in self._seen:  # the receiver's copy of g_hat
             self._observe_backward(self.decode_grad(payload, ctx), ctx)
         return payload
-
-    def _keep(self, flat: torch.Tensor) -> torch.Tensor:
-        keep = torch.ones(flat.shape[0], dtype=torch.bool, device=flat.device)
-        if self.bwd_tokens < 1:
-            keep.zero_()
-            keep[flat.pow(2).sum(1).topk(self._kept(flat.shape[0])).indices] = True
-        return keep
 
     def _observe_backward(self, g_hat: torch.Tensor, ctx) -> None:
         flat = g_hat.reshape(-1, self.hidden_size)

@@ -104,15 +104,16 @@ class KltDitherBoundary(KltBoundary):
     def from_config(cls, cfg, index, hidden_size, seed, wire_dtype, model, shared):
         own = cfg.settings()
         return cls(index, hidden_size, own.bits, own.context_bits, cfg.bits()[1], cfg.quant_group, wire_dtype,
-                   channels=own.channels, bwd_tokens=own.bwd_tokens, basis_dtype=own.basis_dtype, dithered=own.dither,
-                   seed=seed)
+                   channels=own.channels, bwd_tokens=own.bwd_tokens, bwd_select=own.bwd_select,
+                   basis_dtype=own.basis_dtype, dithered=own.dither, seed=seed)
 
     def __init__(self, index: int, hidden_size: int, loss_bits: float, context_bits: float, bwd_bits: int,
                  group: int, wire_dtype: torch.dtype | None = None, *, channels: int = 4, bwd_tokens: float = 0.5,
-                 basis_dtype: str = "int8", dithered: bool = True, seed: int = 0):
+                 bwd_select: str = "top", basis_dtype: str = "int8", dithered: bool = True, seed: int = 0):
         # klt's forward state, without its fixed-width tables (whose Lloyd-Max design up to 8 bits this kind never uses)
         OutlierBoundary.__init__(self, index, hidden_size, channels, 1, bwd_bits, group, wire_dtype,
-                                 intact_dtype=BASIS_DTYPE, grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens)
+                                 intact_dtype=BASIS_DTYPE, grid="lloyd-max", bwd_scale_group=-1, bwd_tokens=bwd_tokens,
+                                 bwd_select=bwd_select, seed=seed)
         if not 0 < loss_bits <= MAX_BITS or not 0 < context_bits <= MAX_BITS:
             raise ValueError(f"boundary.klt-dither.bits and context_bits must be in (0, {MAX_BITS}], got {loss_bits} "
                              f"and {context_bits}")

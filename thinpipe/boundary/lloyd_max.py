@@ -60,6 +60,15 @@ def gaussian_distortion(bits: int) -> float:
     return 1.0 - sum(c * c * (_cdf(hi) - _cdf(lo)) for c, lo, hi in zip(levels, edges, edges[1:]))
 
 
+@lru_cache(maxsize=None)
+def gaussian_cell_probabilities(bits: int) -> tuple[float, ...]:
+    """The probability of each of the ``bits``-bit Lloyd-Max cells under N(0, 1), ascending: what an entropy coder
+    of the codes assumes (``outlier.entropy``); their entropy is 1 / 1.911 / 2.825 / 3.765 bits at 1-4 bits."""
+    levels = gaussian_levels(bits)
+    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+    return tuple(_cdf(hi) - _cdf(lo) for lo, hi in zip(edges, edges[1:]))
+
+
 def _tables(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     levels = torch.tensor(gaussian_levels(bits), dtype=torch.float32, device=device)
     return levels, (levels[1:] + levels[:-1]) / 2

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 from thinpipe.plugins import BoundaryKind, register_boundary
 
+BWD_SELECTS = ("top", "sample")  # a token-sparse backward's rules (boundary/token_sample.py)
+
 
 def _power_of_two(n: int) -> bool:
     return n > 0 and not n & (n - 1)
@@ -129,6 +131,14 @@ class OutlierKind(BoundaryKind):
     bwd_tokens: float = 1.0
     """Fraction of a microbatch's tokens whose activation gradient is sent back (those with the largest gradient
     norm; a bitmap of 1 bit per token says which); the rest arrive as 0."""
+    bwd_select: str = "top"
+    """Which ``bwd_tokens`` share crosses (boundary/token_sample.py): ``top`` (the largest gradient norms;
+    biased: a token with small gradients never reaches the stages before it) or ``sample`` (each token with
+    probability ~ its norm, capped at 1, scaled by the inverse in its per-token scale: unbiased, the same bytes)."""
+    entropy: bool = False
+    """Codes of 2 bits or more cross entropy coded (ANS under the Lloyd-Max cells' probabilities of a unit
+    Gaussian, known to both ends; lossless: the same values; ~1.91 / 2.83 / 3.77 bits a code at 2 / 3 / 4 bits).
+    Needs ``grid = lloyd-max``. Payloads then vary in length: metered as sent, bounded for the receiver."""
 
     def validate(self, boundary) -> None:
         if self.channels < 0:
@@ -141,8 +151,12 @@ class OutlierKind(BoundaryKind):
                              f">= -1, got {self.grid!r} and {self.bwd_scale_group}")
         if any(not 1 <= b <= 8 for b in self.fwd_bits):
             raise ValueError(f"boundary.outlier.fwd_bits holds bits in 1..8, one per boundary, got {self.fwd_bits}")
-        if not 0 < self.bwd_tokens <= 1:
-            raise ValueError(f"boundary.outlier.bwd_tokens must be in (0, 1], got {self.bwd_tokens}")
+        if self.entropy and self.grid != "lloyd-max":
+            raise ValueError("boundary.outlier.entropy codes the Lloyd-Max grid's codes: set boundary.outlier.grid = "
+                             "lloyd-max")
+        if not 0 < self.bwd_tokens <= 1 or self.bwd_select not in BWD_SELECTS:
+            raise ValueError(f"boundary.outlier.bwd_tokens must be in (0, 1] and bwd_select one of {BWD_SELECTS}, got "
+                             f"{self.bwd_tokens} and {self.bwd_select!r}")
         if boundary.kind == self.name and not _power_of_two(boundary.quant_group or 1):
             raise ValueError(f"boundary.quant_group must be a power of two for outlier (its Hadamard tiles), got "
                              f"{boundary.quant_group}")
@@ -179,6 +193,10 @@ class KltKind(BoundaryKind):
     """Fraction of a microbatch's tokens whose activation gradient is sent back (the largest by norm; a bitmap of
     1 bit per token names them), on ``outlier``'s Lloyd-Max grid at ``boundary.bwd_bits`` (default 1) with one
     scale per token."""
+    bwd_select: str = "top"
+    """Which ``bwd_tokens`` share crosses (boundary/token_sample.py): ``top`` (the largest gradient norms;
+    biased: a token with small gradients never reaches the stages before it) or ``sample`` (each token with
+    probability ~ its norm, capped at 1, scaled by the inverse in its per-token scale: unbiased, the same bytes)."""
     basis_dtype: str = "bfloat16"
     """The start's basis on the wire: ``bfloat16`` or ``int8`` (one bf16 step per column: half the bytes,
     38 -> 19 B/token on the 100-step frontier recipe; an entry's error ~1% of its size, far below the codes')."""
@@ -201,8 +219,9 @@ class KltKind(BoundaryKind):
                              f"{self.bwd_tokens}")
         if self.basis_dtype not in ("bfloat16", "int8"):
             raise ValueError(f"boundary.klt.basis_dtype must be bfloat16 or int8, got {self.basis_dtype!r}")
-        if self.scale not in ("width", "token"):
-            raise ValueError(f"boundary.klt.scale must be width or token, got {self.scale!r}")
+        if self.scale not in ("width", "token") or self.bwd_select not in BWD_SELECTS:
+            raise ValueError(f"boundary.klt.scale must be width or token and bwd_select one of {BWD_SELECTS}, got "
+                             f"{self.scale!r} and {self.bwd_select!r}")
         if self.channels < 0 or self.refresh_every < 0:
             raise ValueError(f"boundary.klt.channels and boundary.klt.refresh_every must be >= 0, got "
                              f"{self.channels} and {self.refresh_every}")
@@ -229,6 +248,10 @@ class KltDitherKind(BoundaryKind):
     """Channels sent intact in bf16 (``klt``'s)."""
     bwd_tokens: float = 0.5
     """Fraction of a microbatch's tokens whose activation gradient is sent back (``klt``'s backward)."""
+    bwd_select: str = "top"
+    """Which ``bwd_tokens`` share crosses (boundary/token_sample.py): ``top`` (the largest gradient norms;
+    biased: a token with small gradients never reaches the stages before it) or ``sample`` (each token with
+    probability ~ its norm, capped at 1, scaled by the inverse in its per-token scale: unbiased, the same bytes)."""
     basis_dtype: str = "int8"
     """The start's basis on the wire: ``int8`` (one bf16 step per column) or ``bfloat16``."""
     dither: bool = True
@@ -239,9 +262,9 @@ class KltDitherKind(BoundaryKind):
         if not 0 < self.bits <= 8 or not 0 < self.context_bits <= 8 or not 0 < self.bwd_tokens <= 1:
             raise ValueError("boundary.klt-dither.bits and context_bits must be in (0, 8] bits per dim and bwd_tokens "
                              f"in (0, 1], got {self.bits}, {self.context_bits} and {self.bwd_tokens}")
-        if self.basis_dtype not in ("bfloat16", "int8") or self.channels < 0:
-            raise ValueError("boundary.klt-dither.basis_dtype must be bfloat16 or int8 and channels >= 0, got "
-                             f"{self.basis_dtype!r} and {self.channels}")
+        if self.basis_dtype not in ("bfloat16", "int8") or self.channels < 0 or self.bwd_select not in BWD_SELECTS:
+            raise ValueError("boundary.klt-dither.basis_dtype must be bfloat16 or int8, channels >= 0 and bwd_select "
+                             f"one of {BWD_SELECTS}, got {self.basis_dtype!r}, {self.channels} and {self.bwd_select!r}")
 
 
 @register_boundary

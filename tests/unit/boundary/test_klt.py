@@ -326,12 +326,14 @@ def test_klt_dither_is_unbiased_exactly_decoded_and_metered_as_coded():
 @pytest.mark.slow
 def test_a_klt_dither_run_resumes_bitwise_with_its_coded_lengths(tmp_path, monkeypatch):
     """``klt-dither`` through the CLI: a crash at step 3 of 4 and a resume from step 2's checkpoint give the
-    uninterrupted run's losses and coded forward bytes (the dither is the PRF's of each step: nothing to carry)."""
+    uninterrupted run's losses and coded forward bytes (the dither is the PRF's of each step: nothing to carry), with
+    the sampled half-token backward (its draw is the PRF's too)."""
     from thinpipe.cli import main
 
     args = ["--set", "model.name=tiny-llama", "--set", "data.name=synthetic", "--set", "train.batch_size=2",
             "--set", "train.seq_len=32", "--set", "train.steps=4", "--set", "mesh.pp=2",
             "--set", "boundary.kind=klt-dither", "--set", "boundary.quant_group=16",
+            "--set", "boundary.klt-dither.bwd_select=sample",
             "--set", "train.checkpoint_every=2", "--set", "train.lr=1e-3"]
     full, part = tmp_path / "full", tmp_path / "part"
     assert main(["train", "--out", str(full), "--quiet", *args]) == 0

@@ -50,7 +50,7 @@ def test_lloyd_max_beats_min_max_at_low_bits_and_zeros_stay_zero():
 
 
 def ctx_of(b, t):
-    return SimpleNamespace(input_ids=torch.zeros(b, t, dtype=torch.long))
+    return SimpleNamespace(input_ids=torch.zeros(b, t, dtype=torch.long), step=0, microbatch=0, replica=0)
 
 
 def test_token_sparse_backward_sends_the_largest_tokens_exactly_once():
@@ -74,7 +74,8 @@ def test_token_sparse_backward_sends_the_largest_tokens_exactly_once():
 
 @pytest.mark.parametrize("kw", [{}, {"grid": "lloyd-max", "scale_group": -1, "bwd_scale_group": -1},
                                 {"grid": "lloyd-max", "bwd_tokens": 0.3, "intact_dtype": torch.bfloat16},
-                                {"bwd_tokens": 0.5, "bwd_scale_group": 32}, {"compress": "fwd"}, {"compress": "bwd"}])
+                                {"bwd_tokens": 0.5, "bwd_scale_group": 32}, {"compress": "fwd"}, {"compress": "bwd"},
+                                {"grid": "lloyd-max", "bwd_tokens": 0.3, "bwd_select": "sample"}])
 @pytest.mark.parametrize("wire", [None, torch.bfloat16])
 def test_the_receiver_expects_exactly_what_the_sender_sends(kw, wire):
     """payload_expect is the payload's exact spec both ways (a dense direction: its byte bound), and a
@@ -109,6 +110,7 @@ def test_one_direction_compressed_leaves_the_other_bitwise_dense():
      "outlier_dtype": "bfloat16"},
     {"outlier_grid": "lloyd-max", "outlier_bwd_scale_group": 32, "outlier_bwd_tokens": 0.5},
     {"outlier_bwd_tokens": 0.3},
+    {"outlier_grid": "lloyd-max", "outlier_bwd_tokens": 0.3, "outlier_bwd_select": "sample"},
     {"compress": "fwd"}, {"compress": "bwd", "outlier_grid": "lloyd-max"},
 ])
 @pytest.mark.parametrize("wire", ["float32", "bfloat16"])
@@ -154,6 +156,8 @@ def test_per_boundary_forward_bits_go_where_they_are_given():
     ({"boundary__outlier_fwd_bits": [2, 9]}, "outlier.fwd_bits holds bits in 1..8"),
     ({"boundary__outlier_grid": "e8"}, "outlier.grid must be minmax or lloyd-max"),
     ({"boundary__outlier_bwd_tokens": 0.0}, "outlier.bwd_tokens must be in"),
+    ({"boundary__outlier_bwd_select": "random"}, "bwd_select one of"),
+    ({"boundary__outlier_entropy": True}, "set boundary.outlier.grid = lloyd-max"),
     ({"boundary__compress": "up"}, "compress must be both, fwd or bwd"),
     ({"boundary__kind": "mask", "boundary__compress": "fwd"}, "compress = fwd is an outlier setting"),
 ])
@@ -179,3 +183,45 @@ def test_packed_codes_follow_one_layout_at_every_width(bits, count):
     packed = pack_bits(codes, bits)
     assert torch.equal(packed, _bit_planes(codes, bits))
     assert torch.equal(unpack_bits(packed, bits, count), codes)
+
+
+def test_entropy_coded_codes_are_lossless_cheaper_and_bounded():
+    """``outlier.entropy`` (issue 52 item 4): the same decoded values as the packed codes, bitwise, both ways; the
+    payload is what the coder wrote, ~the model's estimate (Gaussian data: 3.77 of 4 bits), within the receiver's
+    bound; 1-bit codes stay packed; a cut stream, an altered one or a scale of the wrong length is refused."""
+    torch.manual_seed(4)
+    kw = {"grid": "lloyd-max", "bwd_scale_group": -1, "intact_dtype": torch.bfloat16}
+    plain, coded = (OutlierBoundary(0, H, 4, 4, 2, 16, None, -1, entropy=e, **kw) for e in (False, True))
+    x, g, ctx = torch.randn(4, 32, H), torch.randn(4, 32, H), ctx_of(4, 32)
+    for enc, dec, t in (("encode", "decode", x), ("encode_grad", "decode_grad", g)):
+        p_plain, p_coded = (getattr(b, enc)(t, ctx) for b in (plain, coded))
+        p_plain, p_coded = (p[1] if isinstance(p, tuple) else p for p in (p_plain, p_coded))
+        assert torch.equal(getattr(plain, dec)(p_plain, ctx), getattr(coded, dec)(p_coded, ctx))
+        direction = "fwd" if enc == "encode" else "bwd"
+        coded.payload_expect(direction, 128).check(spec_of(p_coded), "test")
+        assert p_coded.nbytes < p_plain.nbytes <= coded.max_bytes(128, 4)[direction == "bwd"]
+        assert p_coded.nbytes == pytest.approx(coded.expected_bytes(128, 4)[direction == "bwd"], rel=0.01)
+        cut = dict(p_coded.tensors, codes=p_coded.tensors["codes"][:-8])
+        flipped = p_coded.tensors["codes"].clone()
+        flipped[12] ^= 4
+        short = dict(p_coded.tensors, scale=p_coded.tensors["scale"][:-1])
+        for bad, message in ((cut, "does not decode"), (dict(p_coded.tensors, codes=flipped), "does not decode"),
+                             (short, "does not match 128 tokens")):
+            with pytest.raises(PayloadError, match=message):
+                getattr(coded, dec)(Payload(bad), ctx)
+    one_bit = OutlierBoundary(0, H, 4, 4, 1, 16, None, -1, entropy=True, **kw)
+    assert one_bit.payload_expect("bwd", 128).spec is not None  # exact: packed
+
+
+def test_an_entropy_coded_mesh_trains_bitwise_as_the_packed_one_on_fewer_bytes():
+    meters, losses = [], []
+    for entropy in (False, True):
+        cfg = config(model__name="tiny-llama", mesh__pp=2, boundary__kind="outlier", boundary__outlier_channels=4,
+                     boundary__quant_group=16, boundary__fwd_bits=3, boundary__bwd_bits=1,
+                     boundary__outlier_grid="lloyd-max", boundary__outlier_entropy=entropy,
+                     train__batch_size=2, train__seq_len=16)
+        mesh = SimMesh(tiny_model("llama"), cfg)
+        losses.append(mesh.forward_backward([tiny_batch(batch_size=2, seq_len=16)]))
+        meters.append((mesh.meter.totals["pp_fwd"], mesh.meter.totals["pp_bwd"]))
+    assert losses[0] == losses[1]
+    assert meters[1][0] < meters[0][0] and meters[1][1] == meters[0][1]  # 3-bit codes coded, 1-bit ones packed
