@@ -130,6 +130,10 @@ ARMS = {
     # (boundary.klt-dither.bwd_select = sample: kept with probability ~ norm, scaled by its inverse; the same bytes)
     **{f"KLTe {lb:g}-{cb:g}b-1b T{round(t * 100)}s": kltd(lb, cb, t, dither=False, bwd_select="sample")
        for lb, cb, t in ((2.8, 1.5, 0.5), (3.2, 2, 0.5))},
+    # the same forward with T50's top-K: what the draw changed
+    "KLTe 2.8-1.5b-1b T50": kltd(2.8, 1.5, 0.5, dither=False),
+    # issue 52 item 4 on outlier: LM 4b-1b tok's codes entropy coded (lossless: its gaps, bitwise; its bytes, screened)
+    "LM 4b-1b tok E": lm(4, 1, outlier_entropy=True),
 }
 
 
