@@ -12,7 +12,9 @@ Two rules, both sending exactly K = ceil(f N) of a microbatch's N tokens and a b
   u, u + 1, ..., u + K - 1 on the cumulative pi, one uniform u per microbatch, so exactly K tokens and each with
   probability exactly pi_i. A kept token is sent as g_i / pi_i, which rides in the per-token scale the codes
   already carry: no byte more. E[sent] = g. The heavy tokens (pi = 1) cross as under ``top``; the light ones
-  stand for their neighbours.
+  stand for their neighbours. Measured (experiments/frontier/README.md, "toward 10x"): no better than ``top`` on
+  two paired seeds (+1.55 / +2.50% against +1.74 / +1.96%): its variance costs what the bias did. ``top`` is the
+  default.
 
 u comes from the boundary's PRF (``prf.prf_key`` of seed, boundary, step, microbatch, replica): only the sender
 draws it, but a crash + resume and dist == sim see the same tokens.
