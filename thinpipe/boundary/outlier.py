@@ -172,8 +172,8 @@ class OutlierBoundary(QuantBoundary):
         if self._coded(bits):
             codes = decode_categorical(p["codes"].cpu(), gaussian_cell_probabilities(bits), n,
                                        f"boundary {self.index}").to(p["scale"].device).reshape(-1, scale)
-            return hadamard(dequantize_rms(codes, p["scale"], bits, (-1, self.group))).reshape(tokens, self.hidden_size)
-        codes = unpack_bits(p["codes"], bits, n).reshape(-1, scale)
+        else:
+            codes = unpack_bits(p["codes"], bits, n).reshape(-1, scale)
         if self.grid == "lloyd-max":
             values = dequantize_rms(codes, p["scale"], bits, (-1, self.group))
         else:
@@ -284,9 +284,8 @@ class OutlierBoundary(QuantBoundary):
         if (direction == "fwd" and self.compress == "bwd") or (direction == "bwd" and self.compress == "fwd"):
             return super().payload_expect(direction, tokens)
         spec = self._spec(direction, tokens)
-        if self._coded(self.fwd_bits if direction == "fwd" else self.bwd_bits):
-            size = torch.empty(0, dtype=self.wire_dtype).element_size() if self.wire_dtype is not None else 4
-            return Expect(max_bytes=self.max_bytes(tokens, size)[direction == "bwd"],
+        if self._coded(self.fwd_bits if direction == "fwd" else self.bwd_bits):  # the base's bound: max_bytes
+            return Expect(max_bytes=super().payload_expect(direction, tokens).max_bytes,
                           dtypes=frozenset(dt for _, dt in spec.values()))
         return Expect.exactly(spec)
 

@@ -73,6 +73,8 @@ def select_tokens(sq_norms: torch.Tensor, kept: int, how: str,
     """(keep mask of exactly ``kept`` tokens, the factor each kept token's gradient is multiplied by before it is
     coded: 1 under ``top``, 1 / pi_i under ``sample``). ``key``: the PRF's (seed, boundary, step, microbatch,
     replica)."""
+    if how not in SELECTS:
+        raise ValueError(f"token selection must be one of {SELECTS}, got {how!r}")
     n = sq_norms.numel()
     ones = torch.ones(n, dtype=torch.float32, device=sq_norms.device)
     if how == "top" or kept >= n or int((sq_norms > 0).sum()) <= kept:
@@ -80,8 +82,6 @@ def select_tokens(sq_norms: torch.Tensor, kept: int, how: str,
         keep = torch.zeros(n, dtype=torch.bool, device=sq_norms.device)
         keep[sq_norms.topk(kept).indices] = True
         return keep, ones
-    if how != "sample":
-        raise ValueError(f"token selection must be one of {SELECTS}, got {how!r}")
     pi = inclusion(sq_norms.double().sqrt(), kept)
     u = (prf_key(*key, _BWD_STREAM) + 0.5) / 2.0 ** 32
     keep = systematic(pi, u)

@@ -58,6 +58,8 @@ def test_the_sampled_gradient_is_unbiased_and_top_k_is_not():
     assert float((mean - g).norm() / g.norm()) < 0.03
     keep, factor = select_tokens(sq, 8, "top", (0, 1, 0, 0, 0))
     assert bool((factor == 1).all()) and keep.nonzero().flatten().tolist() == sorted(sq.topk(8).indices.tolist())
+    top = torch.where(keep.unsqueeze(1), g, 0.0)  # the same every step: its mean misses the other 24 tokens
+    assert float((top - g).norm() / g.norm()) > 0.3
     # every token with a gradient fits: kept as they are
     few = torch.zeros(32).index_fill_(0, torch.tensor([3, 9]), 1.0)
     keep, factor = select_tokens(few, 8, "sample", (0, 1, 0, 0, 0))
